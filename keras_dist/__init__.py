@@ -1,0 +1,32 @@
+"""keras_dist: the tf.distribute experience for Keras 3 on JAX.
+
+```python
+import keras, keras_dist as kd
+strategy = kd.MirroredStrategy()
+with strategy.scope():
+    model = make_model()
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+model.fit(x, y, batch_size=64)    # global batch, split over the replicas
+```
+"""
+
+from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
+
+_ensure_jax_backend()
+
+from keras_dist import errors  # noqa: E402
+from keras_dist.strategies import (  # noqa: E402
+    MirroredStrategy,
+    OneDeviceStrategy,
+    Strategy,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "Strategy",
+    "__version__",
+    "errors",
+]

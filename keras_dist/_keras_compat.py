@@ -1,0 +1,247 @@
+"""The one module where keras_dist reaches into private Keras code.
+
+Everything else plugs into public Keras API: strategies subclass
+`keras.distribution.DataParallel`, so Keras itself creates variables
+replicated on the mesh and lays batches out over it. Three things the public
+API cannot express are done here, on Keras's JAX trainer
+(`keras.src.backend.jax.trainer`), checked against Keras `CHECKED_KERAS`:
+
+1. **Partial batches.** Keras turns each host batch into a global array with
+   the module function `_distribute_data`; on a batch that does not split
+   evenly over the replicas it raises (keras#21167). keras_dist replaces it,
+   while one of its strategies is current, with `Strategy._distribute_batch`
+   (pad + record the real size), and wraps the module's `jit` so every
+   compiled step first cuts a `PaddedBatch` back to its real rows.
+2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
+   `*_on_batch` methods enter the scope of the strategy the model was built
+   under when no scope is open (the tf.distribute tutorials call `fit`
+   outside the scope), move variables created outside any scope onto the
+   strategy, and refuse variables of another strategy with a clear error.
+3. **A failed call leaves the model usable.** Keras detaches ("purges") the
+   variables' values while a loop runs and reattaches them at the end; when a
+   step raises, they stay `None` and every later call fails with
+   `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
+
+`install()` is idempotent and is called by the first `Strategy`. With no
+keras_dist strategy involved, every wrapped function behaves as Keras's own.
+`tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
+"""
+
+from collections.abc import Callable
+import contextlib
+import functools
+import inspect
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist.data._partial_batch import unpadding
+from keras_dist.errors import StrategyMismatchError
+
+CHECKED_KERAS = "3.15"
+ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+_BATCH_ARGS = ("batch_size", "validation_batch_size")
+_SCOPE_FIX = (
+    "Create and compile the model inside `strategy.scope()`:\n\n"
+    "    with strategy.scope():\n"
+    "        model = make_model()\n"
+    "        model.compile(...)\n"
+    "    model.fit(...)"
+)
+
+_originals: dict[str, Any] = {}
+
+
+def _trainer_module():
+    from keras.src.backend.jax import trainer
+
+    return trainer
+
+
+def seams() -> dict[str, Any]:
+    """The private Keras objects keras_dist relies on, by name.
+
+    Raises:
+        ImportError: if a Keras release moved or removed one of them.
+    """
+    module = _trainer_module()
+    found = {
+        "trainer.jit": getattr(module, "jit", None),
+        "trainer._distribute_data": getattr(module, "_distribute_data", None),
+        "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
+    }
+    trainer_cls = found["trainer.JAXTrainer"]
+    for name in (*ENTRY_POINTS, "jax_state_sync"):
+        found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
+    missing = [name for name, obj in found.items() if obj is None]
+    if missing:
+        raise ImportError(
+            f"keras_dist {_version()} was checked against Keras {CHECKED_KERAS}.x; "
+            f"Keras {keras.__version__} no longer has {missing}. Install "
+            f"`keras>={CHECKED_KERAS},<3.16` or upgrade keras_dist."
+        )
+    return found
+
+
+def _version() -> str:
+    from keras_dist import __version__
+
+    return __version__
+
+
+def install() -> None:
+    """Installs the three seams described in the module docstring (idempotent)."""
+    if _originals:
+        return
+    seams()
+    module = _trainer_module()
+    _originals["jit"] = module.jit
+    _originals["_distribute_data"] = module._distribute_data
+    module.jit = _jit
+    module._distribute_data = _distribute_data
+    for name in ENTRY_POINTS:
+        method = getattr(module.JAXTrainer, name)
+        _originals[f"JAXTrainer.{name}"] = method
+        setattr(module.JAXTrainer, name, _entry_point(method))
+
+
+def _current_strategy():
+    from keras_dist.strategies._base import Strategy
+
+    current = keras.distribution.distribution()
+    return current if isinstance(current, Strategy) else None
+
+
+def _jit(fun: Callable, *args, **kwargs):
+    return _originals["jit"](unpadding(fun), *args, **kwargs)
+
+
+def _distribute_data(data, layouts=None):
+    strategy = _current_strategy()
+    if strategy is None:
+        return _originals["_distribute_data"](data, layouts)
+    return strategy._distribute_batch(data)
+
+
+def _entry_point(method: Callable) -> Callable:
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(model, *args, **kwargs):
+        strategy = _strategy_for(model)
+        if strategy is None:
+            return method(model, *args, **kwargs)
+        _check_batch_sizes(signature, strategy, model, args, kwargs)
+        with contextlib.ExitStack() as stack:
+            if keras.distribution.distribution() is None:
+                stack.enter_context(strategy.scope())
+            _place_variables(model, strategy)
+            snapshot = [(v, v._value) for v in _variables(model)]
+            try:
+                return method(model, *args, **kwargs)
+            except BaseException:
+                _reattach(model, snapshot)
+                raise
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _variables(model) -> list:
+    """Every variable a training loop touches: model, optimizer, metrics."""
+    groups = [model.trainable_variables, model.non_trainable_variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "variables"):
+        groups.append(optimizer.variables)
+    groups.append(getattr(model, "metrics_variables", []))
+    seen, out = set(), []
+    for group in groups:
+        for v in group:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def _strategy_for(model):
+    """The current keras_dist strategy, else the one the model was built under."""
+    from keras_dist.strategies._base import strategy_of_variable
+
+    if keras.distribution.distribution() is not None:
+        return _current_strategy()
+    for v in _variables(model):
+        strategy = strategy_of_variable(v)
+        if strategy is not None:
+            return strategy
+    return None
+
+
+def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+        return  # Keras reports wrong arguments itself.
+    for name in _BATCH_ARGS:
+        value = bound.arguments.get(name)
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or value <= 0
+        ):
+            raise ValueError(
+                f"`{name}` must be a positive integer: the global batch, split "
+                f"over the {strategy.num_replicas_in_sync} replicas of "
+                f"{strategy!r}. Received: {name}={value!r}. For example "
+                f"{name}={32 * strategy.num_replicas_in_sync}."
+            )
+
+
+def _place_variables(model, strategy) -> None:
+    """Moves variables built outside any scope onto `strategy`; refuses others."""
+    from keras_dist.strategies._base import strategy_of_variable
+
+    moved = False
+    for v in _variables(model):
+        if getattr(v, "_value", None) is None:
+            continue
+        owner = strategy_of_variable(v)
+        if owner is not None and owner.devices == strategy.devices:
+            continue
+        if owner is not None or getattr(v, "_layout", None) is not None:
+            where = owner if owner is not None else v._layout
+            raise StrategyMismatchError(
+                f"Variable {v.path!r} was created under {where!r}, but the model "
+                f"is being run under {strategy!r}. A model belongs to the "
+                f"strategy it was built in. {_SCOPE_FIX}"
+            )
+        v._layout = strategy.get_variable_layout(v)
+        v._direct_assign(v._value)
+        moved = True
+    if moved:  # Compiled steps carry the old placement; rebuild them.
+        model.train_function = model.test_function = model.predict_function = None
+
+
+def _reattach(model, snapshot) -> None:
+    """Puts values back on variables that a failed loop left detached."""
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        with contextlib.suppress(Exception):
+            model.jax_state_sync()
+    model._jax_state = None
+    model._jax_state_synced = True
+    for v, value in snapshot:
+        if v._value is None and value is not None:
+            if isinstance(value, jax.Array) and value.is_deleted():
+                continue  # Donated to a step that ran; nothing left to restore.
+            v._value = value

@@ -1,0 +1,1 @@
+"""The input layer of keras_dist: global-batch semantics for every input."""

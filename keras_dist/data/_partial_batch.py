@@ -1,0 +1,136 @@
+"""Partial batches: pad on the host, cut back inside the compiled step.
+
+A global batch whose size is not a multiple of the number of replicas cannot
+be laid out over the mesh (every device needs a shard of the same size; this
+is the `IndivisibleError` of keras#21167). keras_dist pads such a batch with
+rows of zeros up to the next multiple and records how many rows are real. The
+record travels with the batch as a `PaddedBatch`, a tuple whose extra field
+is *static* for JAX (pytree aux data), so the compiled step knows the real
+size at trace time and slices every input back to it before the model sees
+the batch.
+
+From there on the computation is, row for row, the single-device one: XLA's
+SPMD partitioner masks the padding of the now unevenly sharded arrays in
+every reduction. So the loss is the mean over the real rows, metrics count
+real rows only, `predict` returns exactly the real rows, batch statistics
+(BatchNormalization) see only real rows, and custom `train_step`s and any
+loss reduction stay exact. No sample is dropped and none is counted twice.
+"""
+
+from collections.abc import Callable
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import optree
+
+__all__ = ["PaddedBatch", "batch_size_of", "pad_batch", "unpad", "unpadding"]
+
+
+class PaddedBatch(tuple):
+    """A batch tuple `(x, y, sample_weight)` padded to a multiple of replicas.
+
+    It is a tuple, so Keras unpacks it like any batch; `num_real` says how
+    many leading rows are real. As a pytree, `num_real` is static.
+    """
+
+    def __new__(cls, items, num_real: int):
+        return super().__new__(cls, items)
+
+    def __init__(self, items, num_real: int):
+        super().__init__()
+        self.num_real = int(num_real)
+
+    def __repr__(self) -> str:
+        return f"PaddedBatch({tuple(self)!r}, num_real={self.num_real})"
+
+
+def _flatten(batch: PaddedBatch):
+    return tuple(batch), batch.num_real
+
+
+def _unflatten(num_real: int, children) -> PaddedBatch:
+    return PaddedBatch(children, num_real)
+
+
+jax.tree_util.register_pytree_node(PaddedBatch, _flatten, _unflatten)
+# Keras walks batches with optree in its own namespace (e.g. to build the
+# model symbolically from the first batch); keep the type and count there too.
+optree.register_pytree_node(
+    PaddedBatch,
+    lambda b: (tuple(b), b.num_real, None),
+    _unflatten,
+    namespace="keras",
+)
+
+
+def _is_array(leaf: Any) -> bool:
+    return leaf is not None and getattr(leaf, "ndim", 0) > 0
+
+
+def batch_size_of(data: Any) -> int | None:
+    """The leading dimension shared by every array in `data`.
+
+    Raises:
+        ValueError: if two arrays disagree on the batch dimension.
+    """
+    sizes = {int(leaf.shape[0]) for leaf in jax.tree.leaves(data) if _is_array(leaf)}
+    if len(sizes) > 1:
+        shapes = [
+            tuple(leaf.shape) for leaf in jax.tree.leaves(data) if _is_array(leaf)
+        ]
+        raise ValueError(
+            "Every array of a batch must have the same size in its first "
+            f"(batch) dimension. Received arrays of shapes {shapes}."
+        )
+    return sizes.pop() if sizes else None
+
+
+def pad_batch(data: Any, multiple: int) -> Any:
+    """Pads every array of `data` with zero rows to a multiple of `multiple`.
+
+    Returns `data` unchanged when its batch size already is a multiple, else a
+    `PaddedBatch` (a non-tuple batch becomes the 1-tuple `(data,)`, which
+    Keras unpacks the same way).
+    """
+    size = batch_size_of(data)
+    if size is None or size % multiple == 0:
+        return data
+    padded_size = math.ceil(size / multiple) * multiple
+
+    def pad(leaf):
+        if not _is_array(leaf):
+            return leaf
+        leaf = np.asarray(leaf)
+        filler = np.zeros((padded_size - size, *leaf.shape[1:]), dtype=leaf.dtype)
+        return np.concatenate([leaf, filler], axis=0)
+
+    items = data if isinstance(data, tuple) else (data,)
+    if isinstance(data, list):
+        items = tuple(data)
+    return PaddedBatch(jax.tree.map(pad, items), size)
+
+
+def unpad(data: Any) -> Any:
+    """Cuts a `PaddedBatch` back to its real rows (a plain tuple); else identity.
+
+    Meant to run inside `jax.jit`, where `num_real` is a static Python int.
+    """
+    if not isinstance(data, PaddedBatch):
+        return data
+    n = data.num_real
+    return tuple(
+        jax.tree.map(lambda leaf: leaf[:n] if _is_array(leaf) else leaf, tuple(data))
+    )
+
+
+def unpadding(fn: Callable) -> Callable:
+    """Wraps a step `fn(state, data, ...)` so padded batches are cut first."""
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        return fn(*(unpad(a) for a in args), **kwargs)
+
+    return step

@@ -1,0 +1,16 @@
+"""Named exceptions of keras_dist.
+
+Each one subclasses the builtin a caller would naturally catch, so
+`except ValueError` keeps working; the subclass lets tests and tools tell
+keras_dist's own diagnoses apart.
+"""
+
+__all__ = ["DeviceNotFoundError", "StrategyMismatchError"]
+
+
+class DeviceNotFoundError(ValueError):
+    """A requested device is not visible to this process."""
+
+
+class StrategyMismatchError(RuntimeError):
+    """Two strategies, or a strategy and a model's variables, disagree."""
