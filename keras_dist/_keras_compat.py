@@ -27,10 +27,10 @@ keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
 """
 
-from collections.abc import Callable
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import jax

@@ -17,9 +17,9 @@ real rows only, `predict` returns exactly the real rows, batch statistics
 loss reduction stay exact. No sample is dropped and none is counted twice.
 """
 
-from collections.abc import Callable
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax

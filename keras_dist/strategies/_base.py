@@ -1,14 +1,14 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
-from collections.abc import Iterator, Sequence
 import contextlib
-from typing import Any
 import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 import keras
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist import _keras_compat
 from keras_dist.data._partial_batch import pad_batch

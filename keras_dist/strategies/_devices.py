@@ -6,8 +6,8 @@ and `jax.Device` objects. The index is the position among this process's
 devices of that kind, as in TensorFlow.
 """
 
-from collections.abc import Iterable, Sequence
 import re
+from collections.abc import Iterable, Sequence
 
 import jax
 
@@ -24,7 +24,10 @@ _KIND_TO_PLATFORM = {
     "rocm": "gpu",
     "tpu": "tpu",
 }
-_FORMS = '"gpu:0", "/gpu:0", "/GPU:0", "/job:localhost/replica:0/task:0/device:GPU:0", "cpu:3"'
+_FORMS = (
+    '"gpu:0", "/gpu:0", "/GPU:0", '
+    '"/job:localhost/replica:0/task:0/device:GPU:0", "cpu:3"'
+)
 
 
 def visible_devices() -> list[str]:

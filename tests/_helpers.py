@@ -1,0 +1,69 @@
+"""Shared data, models and runners for the tests."""
+
+import keras
+import numpy as np
+
+import keras_dist as kd
+
+FEATURES = 6
+CLASSES = 3
+
+
+def make_data(n: int, seed: int = 0):
+    """A classification problem with `n` samples (x, y, sample_weight)."""
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, FEATURES).astype("float32")
+    logits = x @ rng.randn(FEATURES, CLASSES)
+    y = logits.argmax(axis=1).astype("int32")
+    sample_weight = rng.uniform(0.1, 2.0, size=n).astype("float32")
+    return x, y, sample_weight
+
+
+def make_model(*, batch_norm: bool = False, dropout: float = 0.0) -> keras.Model:
+    layers = [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu")]
+    if batch_norm:
+        layers.append(keras.layers.BatchNormalization())
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    layers.append(keras.layers.Dense(CLASSES))
+    return keras.Sequential(layers)
+
+
+def compile_model(model: keras.Model, optimizer="adam") -> keras.Model:
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(from_logits=True)],
+    )
+    return model
+
+
+def initial_weights(**model_kwargs) -> list[np.ndarray]:
+    keras.utils.set_random_seed(1234)
+    return make_model(**model_kwargs).get_weights()
+
+
+def build_in_scope(strategy: kd.Strategy, weights, **model_kwargs) -> keras.Model:
+    with strategy.scope():
+        model = make_model(**model_kwargs)
+        model.set_weights(weights)
+        compile_model(model)
+    return model
+
+
+def mirrored(n: int) -> kd.MirroredStrategy:
+    return kd.MirroredStrategy([f"cpu:{i}" for i in range(n)])
+
+
+def assert_weights_close(expected, actual, rtol=1e-5, atol=1e-6):
+    assert len(expected) == len(actual)
+    for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"weight {i}")
+
+
+def assert_history_close(expected: dict, actual: dict, rtol=1e-5, atol=1e-6):
+    assert sorted(expected) == sorted(actual)
+    for key in expected:
+        np.testing.assert_allclose(
+            actual[key], expected[key], rtol=rtol, atol=atol, err_msg=key
+        )

@@ -1,0 +1,127 @@
+"""Strategy objects: properties, scope rules, placement of variables and data."""
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.errors import StrategyMismatchError
+from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
+from tests.conftest import REPLICA_COUNTS
+
+CPU = jax.local_devices(backend="cpu")
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_public_properties(n):
+    strategy = mirrored(n)
+    assert strategy.num_replicas_in_sync == n
+    assert strategy.devices == tuple(CPU[:n])
+    assert isinstance(strategy.mesh, jax.sharding.Mesh)
+    assert strategy.mesh.axis_names == ("batch",)
+    assert strategy.mesh.devices.shape == (n,)
+    assert isinstance(strategy, keras.distribution.DataParallel)
+
+
+def test_one_device_properties():
+    strategy = kd.OneDeviceStrategy("/cpu:5")
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.devices == (CPU[5],)
+    assert strategy.mesh.devices.shape == (1,)
+
+
+def test_repr():
+    assert repr(mirrored(2)) == (
+        "MirroredStrategy(devices=[cpu:0, cpu:1], num_replicas_in_sync=2)"
+    )
+    assert repr(kd.MirroredStrategy()) == (
+        "MirroredStrategy(devices=[cpu:0, cpu:1, ..., cpu:7], num_replicas_in_sync=8)"
+    )
+    assert repr(kd.OneDeviceStrategy("cpu:3")) == (
+        "OneDeviceStrategy(devices=[cpu:3], num_replicas_in_sync=1)"
+    )
+
+
+def test_scope_sets_and_restores_the_distribution():
+    strategy = mirrored(4)
+    assert keras.distribution.distribution() is None
+    with strategy.scope() as entered:
+        assert entered is strategy
+        assert keras.distribution.distribution() is strategy
+        with strategy.scope():  # Re-entering the same strategy is fine.
+            assert keras.distribution.distribution() is strategy
+        assert keras.distribution.distribution() is strategy
+    assert keras.distribution.distribution() is None
+
+
+def test_nested_scopes_of_two_strategies_fail():
+    outer, inner = mirrored(2), kd.OneDeviceStrategy("cpu:0")
+    with outer.scope():
+        with pytest.raises(StrategyMismatchError, match="Mixing two strategies"):
+            with inner.scope():
+                pass
+        assert keras.distribution.distribution() is outer
+    assert keras.distribution.distribution() is None
+
+
+def test_strategy_after_a_global_distribution_fails():
+    keras.distribution.set_distribution(mirrored(2))
+    with pytest.raises(StrategyMismatchError, match="set_distribution") as info:
+        with mirrored(4).scope():
+            pass
+    assert "MirroredStrategy(devices=[cpu:0, cpu:1, cpu:2, cpu:3]" in str(info.value)
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_variables_and_optimizer_state_are_replicated(n):
+    strategy = mirrored(n)
+    model = build_in_scope(strategy, initial_weights())
+    x, y, _ = make_data(64)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    variables = [*model.variables, *model.optimizer.variables, *model.metrics_variables]
+    assert len(model.optimizer.variables) > 2  # Adam slots were created.
+    for v in variables:
+        sharding = v.value.sharding
+        assert sharding.is_fully_replicated, v.path
+        assert sharding.device_set == set(CPU[:n]), v.path
+
+
+class _ShardingProbe(keras.layers.Layer):
+    """Records how the batch entering the model is laid out over devices."""
+
+    def __init__(self, record, **kwargs):
+        super().__init__(**kwargs)
+        self._record = record  # A callable: Keras would copy a list attribute.
+
+    def call(self, x):
+        shape = x.shape
+        jax.debug.inspect_array_sharding(
+            x, callback=lambda s: self._record(s.shard_shape(shape))
+        )
+        return x
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_fit_input_is_sharded_over_the_batch_axis(n):
+    seen = []
+    with mirrored(n).scope():
+        model = keras.Sequential(
+            [keras.Input((6,)), _ShardingProbe(seen.append), keras.layers.Dense(3)]
+        )
+        model.compile(optimizer="sgd", loss="mse")
+    x = np.zeros((64, 6), "float32")
+    model.fit(x, np.zeros((64, 3), "float32"), batch_size=32, verbose=0)
+    assert (32 // n, 6) in seen
+
+
+@pytest.mark.parametrize("n", REPLICA_COUNTS)
+def test_batches_become_global_arrays_split_over_replicas(n):
+    strategy = mirrored(n)
+    x, y, sw = make_data(32)
+    x_dev, y_dev, sw_dev = strategy._distribute_batch((x, y, sw))
+    for host, dev in ((x, x_dev), (y, y_dev), (sw, sw_dev)):
+        assert dev.shape == host.shape
+        assert {s.data.shape[0] for s in dev.addressable_shards} == {32 // n}
+        assert {s.device for s in dev.addressable_shards} == set(CPU[:n])
+        np.testing.assert_array_equal(np.asarray(dev), host)
