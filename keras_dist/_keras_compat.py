@@ -15,8 +15,10 @@ API cannot express are done here, on Keras's JAX trainer
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
    `*_on_batch` methods enter the scope of the strategy the model was built
    under when no scope is open (the tf.distribute tutorials call `fit`
-   outside the scope), move variables created outside any scope onto the
-   strategy, and refuse variables of another strategy with a clear error.
+   outside the scope). Before a step is compiled (`make_*_function`),
+   variables created outside any scope (model, optimizer or metric objects)
+   are moved onto the strategy, and variables of another strategy are
+   refused with an error that says how to fix the script.
 3. **A failed call leaves the model usable.** Keras detaches ("purges") the
    variables' values while a loop runs and reattaches them at the end; when a
    step raises, they stay `None` and every later call fails with
@@ -49,6 +51,7 @@ ENTRY_POINTS = (
     "test_on_batch",
     "predict_on_batch",
 )
+STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
 _BATCH_ARGS = ("batch_size", "validation_batch_size")
 _SCOPE_FIX = (
     "Create and compile the model inside `strategy.scope()`:\n\n"
@@ -80,7 +83,7 @@ def seams() -> dict[str, Any]:
         "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
     }
     trainer_cls = found["trainer.JAXTrainer"]
-    for name in (*ENTRY_POINTS, "jax_state_sync"):
+    for name in (*ENTRY_POINTS, *STEP_BUILDERS, "jax_state_sync"):
         found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
     missing = [name for name, obj in found.items() if obj is None]
     if missing:
@@ -112,6 +115,10 @@ def install() -> None:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
         setattr(module.JAXTrainer, name, _entry_point(method))
+    for name in STEP_BUILDERS:
+        method = getattr(module.JAXTrainer, name)
+        _originals[f"JAXTrainer.{name}"] = method
+        setattr(module.JAXTrainer, name, _step_builder(method))
 
 
 def _current_strategy():
@@ -141,16 +148,30 @@ def _entry_point(method: Callable) -> Callable:
         if strategy is None:
             return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
+        _place_variables(model, strategy, move=False)  # Refuse before building.
         with contextlib.ExitStack() as stack:
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
-            _place_variables(model, strategy)
             snapshot = [(v, v._value) for v in _variables(model)]
             try:
                 return method(model, *args, **kwargs)
             except BaseException:
                 _reattach(model, snapshot)
                 raise
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _step_builder(method: Callable) -> Callable:
+    """Before a step is compiled, every variable must live on the strategy."""
+
+    @functools.wraps(method)
+    def wrapper(model, force=False):
+        strategy = _current_strategy()
+        if strategy is not None and _place_variables(model, strategy):
+            force = True  # A cached step carries the old placement.
+        return method(model, force=force)
 
     wrapper._keras_dist_wrapped = method
     return wrapper
@@ -207,8 +228,11 @@ def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
             )
 
 
-def _place_variables(model, strategy) -> None:
-    """Moves variables built outside any scope onto `strategy`; refuses others."""
+def _place_variables(model, strategy, *, move: bool = True) -> bool:
+    """Moves variables built outside any scope onto `strategy`; refuses others.
+
+    Returns whether a variable was moved (never, with `move=False`).
+    """
     from keras_dist.strategies._base import strategy_of_variable
 
     moved = False
@@ -225,11 +249,14 @@ def _place_variables(model, strategy) -> None:
                 f"is being run under {strategy!r}. A model belongs to the "
                 f"strategy it was built in. {_SCOPE_FIX}"
             )
+        if not move:
+            continue
         v._layout = strategy.get_variable_layout(v)
         v._direct_assign(v._value)
         moved = True
-    if moved:  # Compiled steps carry the old placement; rebuild them.
+    if moved:  # Compiled steps carry the old placement; rebuild them all.
         model.train_function = model.test_function = model.predict_function = None
+    return moved
 
 
 def _reattach(model, snapshot) -> None:

@@ -33,7 +33,10 @@ def compile_model(model: keras.Model, optimizer="adam") -> keras.Model:
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy", keras.metrics.SparseCategoricalCrossentropy(from_logits=True)],
+        metrics=[
+            "accuracy",
+            keras.metrics.SparseCategoricalCrossentropy(from_logits=True),
+        ],
     )
     return model
 

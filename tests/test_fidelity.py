@@ -91,7 +91,9 @@ def test_training_actually_changes_the_weights():
     """Guards the test above against comparing two untrained models."""
     _, weights, _, _ = _run(1, "numpy", False, 16)
     initial = initial_weights(**MODEL)
-    assert max(np.abs(a - b).max() for a, b in zip(initial, weights, strict=True)) > 1e-3
+    assert (
+        max(np.abs(a - b).max() for a, b in zip(initial, weights, strict=True)) > 1e-3
+    )
 
 
 @pytest.mark.parametrize("n", REPLICA_COUNTS)
@@ -114,7 +116,9 @@ def test_evaluate_counts_every_sample_once(n):
     )
     # The loss honours sample weights (sum of weighted losses / real rows);
     # compiled `metrics` do not (that is what `weighted_metrics` is for).
-    np.testing.assert_allclose(weighted["loss"], (per_sample * sw).sum() / N_TEST, rtol=1e-5)
+    np.testing.assert_allclose(
+        weighted["loss"], (per_sample * sw).sum() / N_TEST, rtol=1e-5
+    )
     np.testing.assert_allclose(weighted["accuracy"], correct.mean(), rtol=1e-6)
 
 
@@ -157,8 +161,14 @@ def test_validation_split_remainder_and_shuffle():
         model = build_in_scope(strategy, weights)
         keras.utils.set_random_seed(11)
         history = model.fit(
-            x, y, sample_weight=sw, batch_size=12, epochs=2, validation_split=0.1,
-            shuffle=True, verbose=0,
+            x,
+            y,
+            sample_weight=sw,
+            batch_size=12,
+            epochs=2,
+            validation_split=0.1,
+            shuffle=True,
+            verbose=0,
         )
         histories.append((history.history, model.get_weights()))
     assert_history_close(histories[0][0], histories[1][0])
@@ -172,7 +182,11 @@ def test_steps_per_execution_with_a_partial_batch():
     for strategy in (kd.OneDeviceStrategy("cpu:0"), mirrored(8)):
         with strategy.scope():
             model = keras.Sequential(
-                [keras.Input((6,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
+                [
+                    keras.Input((6,)),
+                    keras.layers.Dense(16, "relu"),
+                    keras.layers.Dense(3),
+                ]
             )
             model.set_weights(weights)
             model.compile(
@@ -199,7 +213,9 @@ class _MeanSquaredModel(keras.Model):
     def call(self, x):
         return self.dense(x)
 
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
         return keras.ops.mean((y_pred - y) ** 2)
 
 
@@ -231,9 +247,12 @@ def test_dict_inputs_with_a_partial_batch():
             out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
             model = keras.Model({"a": a, "b": b}, out)
             model.compile(optimizer="sgd", loss="mse")
-        history = model.fit({"a": xa, "b": xb}, y, batch_size=5, epochs=2, verbose=0,
-                            shuffle=False)
-        outs.append((history.history["loss"], model.predict({"a": xa, "b": xb}, verbose=0)))
+        history = model.fit(
+            {"a": xa, "b": xb}, y, batch_size=5, epochs=2, verbose=0, shuffle=False
+        )
+        outs.append(
+            (history.history["loss"], model.predict({"a": xa, "b": xb}, verbose=0))
+        )
     np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=1e-5)
     np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=1e-5, atol=1e-6)
     assert outs[1][1].shape == (19, 1)

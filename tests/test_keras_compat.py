@@ -1,0 +1,90 @@
+"""The private Keras seams of `keras_dist/_keras_compat.py` are still there.
+
+If this file fails after a Keras upgrade, re-read
+`keras/src/backend/jax/trainer.py` of the new release, adapt
+`_keras_compat.py`, then bump `CHECKED_KERAS` and the pin in pyproject.toml.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+
+import keras_dist as kd
+from keras_dist import _keras_compat
+from keras_dist.data import _partial_batch
+from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
+
+
+def test_checked_against_the_installed_keras():
+    assert _keras_compat.CHECKED_KERAS == "3.15"
+    assert keras.__version__.startswith(_keras_compat.CHECKED_KERAS + "."), (
+        f"_keras_compat.py was checked against Keras {_keras_compat.CHECKED_KERAS}.x "
+        f"but Keras {keras.__version__} is installed"
+    )
+
+
+def test_every_seam_exists_with_the_expected_signature():
+    _keras_compat.install()
+    found = _keras_compat.seams()
+    assert all(obj is not None for obj in found.values())
+    params = inspect.signature(_keras_compat._originals["_distribute_data"]).parameters
+    assert list(params) == ["data", "layouts"]
+    for name in _keras_compat.STEP_BUILDERS:
+        original = _keras_compat._originals[f"JAXTrainer.{name}"]
+        assert list(inspect.signature(original).parameters) == ["self", "force"]
+
+
+def test_seams_are_installed_once_by_the_first_strategy():
+    kd.OneDeviceStrategy("cpu:0")
+    from keras.src.backend.jax import trainer
+
+    assert trainer.jit is _keras_compat._jit
+    assert trainer._distribute_data is _keras_compat._distribute_data
+    for name in (*_keras_compat.ENTRY_POINTS, *_keras_compat.STEP_BUILDERS):
+        wrapped = getattr(trainer.JAXTrainer, name)
+        assert (
+            wrapped._keras_dist_wrapped
+            is _keras_compat._originals[f"JAXTrainer.{name}"]
+        )
+    _keras_compat.install()  # Idempotent: no double wrapping.
+    assert not hasattr(
+        trainer.JAXTrainer.fit._keras_dist_wrapped, "_keras_dist_wrapped"
+    )
+
+
+def test_keras_compiles_steps_through_the_wrapped_jit(monkeypatch):
+    """A partial batch reaches a compiled step as a PaddedBatch and is cut there."""
+    seen = []
+    original_unpad = _partial_batch.unpad
+
+    def spy(data):
+        if isinstance(data, _partial_batch.PaddedBatch):
+            seen.append(data.num_real)
+        return original_unpad(data)
+
+    monkeypatch.setattr(_partial_batch, "unpad", spy)
+    x, y, _ = make_data(13)
+    model = build_in_scope(mirrored(8), initial_weights())
+    model.fit(x, y, batch_size=13, epochs=1, verbose=0)
+    assert 13 in seen
+    assert model.predict(x, verbose=0).shape == (13, 3)
+
+
+def test_plain_keras_distribution_still_fails_on_a_partial_batch():
+    """Why the seam exists: Keras's own DataParallel cannot lay out 13 rows."""
+    x, _, _ = make_data(13)
+    distribution = keras.distribution.DataParallel(
+        devices=keras.distribution.list_devices("cpu")
+    )
+    with distribution.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(x, np.zeros((13, 3), "float32"), batch_size=13, verbose=0)
+        except ValueError as error:
+            assert "divisible" in str(error) or "evenly" in str(error), error
+        else:
+            raise AssertionError(
+                "Keras now handles partial batches itself: revisit the padding seam"
+            )
