@@ -1,0 +1,82 @@
+"""The README's Python example and the demo run, and print what they promise."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMEOUT = 300
+
+
+def _run(args, **kwargs):
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")
+    }
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    result = subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=ROOT,
+        env=env,
+        **kwargs,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _python_blocks(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+def test_readme_has_exactly_two_commands_at_the_top():
+    text = (ROOT / "README.md").read_text()
+    top = text.split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)```", top, flags=re.S)
+    assert len(commands) == 2
+    assert all(len(c.strip().splitlines()) == 1 for c in commands)
+    assert "examples/digits_cnn.py" in commands[0]
+    assert commands[1].strip().endswith("python -m pytest")
+
+
+def test_ci_runs_the_readme_test_command():
+    text = (ROOT / "README.md").read_text()
+    test_command = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[1].strip()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in ci and "sed -n" in ci, "CI must take the command from README"
+    assert test_command.startswith("python3 -m venv .venv")
+
+
+def test_readme_quickstart_runs():
+    blocks = _python_blocks(ROOT / "README.md")
+    assert blocks, "README has no python example"
+    out = _run(["-c", blocks[0]])
+    lines = out.strip().splitlines()
+    assert lines[0] == "8"
+    assert lines[-1] == "(5, 2)"
+    assert "Epoch 3/3" in out
+
+
+@pytest.mark.slow
+def test_demo_runs_and_matches_one_device():
+    out = _run(["examples/digits_cnn.py", "--epochs", "2"])
+    assert (
+        "MirroredStrategy(devices=[cpu:0, cpu:1, ..., cpu:7], num_replicas_in_sync=8)"
+        in out
+    )
+    assert "1437 training images, global batch 128 = 16 per replica x 8" in out
+    assert re.search(r"^epoch  2  loss \d\.\d{4}  accuracy", out, flags=re.M)
+    match = re.search(
+        r"OneDeviceStrategy: test accuracy (\d\.\d{4}) in [\d.]+ s \| "
+        r"MirroredStrategy x8: test accuracy (\d\.\d{4}) in [\d.]+ s \| "
+        r"max \|weight difference\| ([\d.e+-]+)",
+        out,
+    )
+    assert match, out
+    assert match[1] == match[2]
+    assert float(match[3]) < 1e-4
