@@ -1,5 +1,6 @@
 """The README's Python example and the demo run, and print what they promise."""
 
+import json
 import os
 import pathlib
 import re
@@ -12,11 +13,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT = 300
 
 
-def _run(args, **kwargs):
+def _run(args, env_extra=None):
+    """Runs Python in a fresh process, without the tests' XLA_FLAGS/backend."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")
     }
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env.update(env_extra or {})
     result = subprocess.run(
         [sys.executable, *args],
         capture_output=True,
@@ -24,7 +27,6 @@ def _run(args, **kwargs):
         timeout=TIMEOUT,
         cwd=ROOT,
         env=env,
-        **kwargs,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
@@ -80,3 +82,32 @@ def test_demo_runs_and_matches_one_device():
     assert match, out
     assert match[1] == match[2]
     assert float(match[3]) < 1e-4
+
+
+@pytest.mark.slow
+def test_notebook_runs():
+    notebook = json.loads((ROOT / "notebooks" / "digits_mirrored.ipynb").read_text())
+    source = "\n".join(
+        "".join(cell["source"])
+        for cell in notebook["cells"]
+        if cell["cell_type"] == "code"
+    )
+    out = _run(["-c", source], env_extra={"KD_NOTEBOOK_EPOCHS": "1"})
+    assert "Number of devices: 8" in out
+    assert "1437 training images; global batch 128" in out
+    assert re.search(r"test accuracy 0\.\d{4}", out)
+    assert "kernel sharding: P(None, None, None, None) on 8 devices" in out
+
+
+@pytest.mark.slow
+def test_benchmark_prints_a_table_and_writes_json(tmp_path):
+    out_file = tmp_path / "bench.json"
+    out = _run(
+        ["benchmarks/single_vs_mirrored.py", "--epochs", "2", "--out", str(out_file)]
+    )
+    assert "replicas   epoch s  examples/s   vs 1" in out
+    result = json.loads(out_file.read_text())
+    assert [row["replicas"] for row in result["rows"]] == [1, 2, 4, 8]
+    losses = [row["final_loss"] for row in result["rows"]]
+    assert max(losses) - min(losses) < 1e-5 * max(losses)
+    assert all(row["examples_per_s"] > 0 for row in result["rows"])
