@@ -14,19 +14,31 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import errors  # noqa: E402
+from keras_dist import errors, losses  # noqa: E402
+from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     MirroredStrategy,
     OneDeviceStrategy,
+    PerReplica,
+    ReduceOp,
+    ReplicaContext,
     Strategy,
+    get_replica_context,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "InputContext",
+    "InputOptions",
     "MirroredStrategy",
     "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
     "Strategy",
     "__version__",
     "errors",
+    "get_replica_context",
+    "losses",
 ]

@@ -19,6 +19,7 @@ loss reduction stay exact. No sample is dropped and none is counted twice.
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,16 @@ import jax
 import numpy as np
 import optree
 
-__all__ = ["PaddedBatch", "batch_size_of", "pad_batch", "unpad", "unpadding"]
+__all__ = [
+    "PaddedBatch",
+    "batch_size_of",
+    "mark_padded",
+    "num_real_of",
+    "pad_batch",
+    "pad_rows",
+    "unpad",
+    "unpadding",
+]
 
 
 class PaddedBatch(tuple):
@@ -88,16 +98,15 @@ def batch_size_of(data: Any) -> int | None:
     return sizes.pop() if sizes else None
 
 
-def pad_batch(data: Any, multiple: int) -> Any:
+def pad_rows(data: Any, multiple: int) -> tuple[Any, int | None]:
     """Pads every array of `data` with zero rows to a multiple of `multiple`.
 
-    Returns `data` unchanged when its batch size already is a multiple, else a
-    `PaddedBatch` (a non-tuple batch becomes the 1-tuple `(data,)`, which
-    Keras unpacks the same way).
+    Returns the padded pytree (same structure) and the real row count, or
+    `(data, None)` when no padding was needed.
     """
     size = batch_size_of(data)
     if size is None or size % multiple == 0:
-        return data
+        return data, None
     padded_size = math.ceil(size / multiple) * multiple
 
     def pad(leaf):
@@ -107,10 +116,21 @@ def pad_batch(data: Any, multiple: int) -> Any:
         filler = np.zeros((padded_size - size, *leaf.shape[1:]), dtype=leaf.dtype)
         return np.concatenate([leaf, filler], axis=0)
 
-    items = data if isinstance(data, tuple) else (data,)
-    if isinstance(data, list):
-        items = tuple(data)
-    return PaddedBatch(jax.tree.map(pad, items), size)
+    return jax.tree.map(pad, data), size
+
+
+def pad_batch(data: Any, multiple: int) -> Any:
+    """Pads a Keras batch `(x, y, sample_weight)` to a multiple of `multiple`.
+
+    Returns `data` unchanged when its batch size already is a multiple, else a
+    `PaddedBatch` (a non-tuple batch becomes the 1-tuple `(data,)`, which
+    Keras unpacks the same way).
+    """
+    padded, num_real = pad_rows(data, multiple)
+    if num_real is None:
+        return data
+    items = tuple(padded) if isinstance(padded, (tuple, list)) else (padded,)
+    return PaddedBatch(items, num_real)
 
 
 def unpad(data: Any) -> Any:
@@ -134,3 +154,21 @@ def unpadding(fn: Callable) -> Callable:
         return fn(*(unpad(a) for a in args), **kwargs)
 
     return step
+
+
+# Global arrays of a padded batch handed to user code (distributed datasets)
+# carry their real row count here, keyed by identity, so `Strategy.run` can
+# mask the padding without the user passing anything extra.
+_NUM_REAL: dict[int, int] = {}
+
+
+def mark_padded(array: jax.Array, num_real: int) -> None:
+    """Records that only the first `num_real` rows of `array` are real."""
+    key = id(array)
+    _NUM_REAL[key] = int(num_real)
+    weakref.finalize(array, _NUM_REAL.pop, key, None)
+
+
+def num_real_of(array: Any) -> int | None:
+    """The real row count recorded by `mark_padded`, or None."""
+    return _NUM_REAL.get(id(array))

@@ -1,7 +1,17 @@
-"""Strategies: what the mesh is and where variables live."""
+"""Strategies: what the mesh is, where variables live, the replica API."""
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._mirrored import MirroredStrategy
 from keras_dist.strategies._one_device import OneDeviceStrategy
+from keras_dist.strategies._replica_context import ReplicaContext, get_replica_context
+from keras_dist.strategies._values import PerReplica, ReduceOp
 
-__all__ = ["MirroredStrategy", "OneDeviceStrategy", "Strategy"]
+__all__ = [
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "get_replica_context",
+]

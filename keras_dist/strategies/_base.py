@@ -2,7 +2,7 @@
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -11,9 +11,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist import _keras_compat
-from keras_dist.data._partial_batch import pad_batch
+from keras_dist.data import _distributed_dataset
+from keras_dist.data._input_context import InputContext
+from keras_dist.data._partial_batch import mark_padded, pad_batch, pad_rows
 from keras_dist.errors import StrategyMismatchError
+from keras_dist.strategies import _cross_replica, _run
 from keras_dist.strategies._devices import device_name
+from keras_dist.strategies._values import ReduceOp
 
 __all__ = ["Strategy", "strategy_of_variable"]
 
@@ -44,6 +48,7 @@ class Strategy(keras.distribution.DataParallel):
         _keras_compat.install()
         super().__init__(devices=list(devices))
         _STRATEGY_OF_MESH[self.device_mesh] = self
+        self._run_cache: dict = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -79,6 +84,143 @@ class Strategy(keras.distribution.DataParallel):
         with super().scope():
             yield self
 
+    # The replica API (tf.distribute's names) ------------------------------
+
+    def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Runs `fn` once per replica, each on its shard of the batch.
+
+        Arguments that are global batches split over the replicas (the
+        elements of `experimental_distribute_dataset`) and `PerReplica`
+        values reach each replica as its own part; every other array (e.g.
+        the replicated weights of a stateless train step) reaches every
+        replica whole, as in tf.distribute. Pytrees are fine everywhere.
+        Inside `fn`, `kd.get_replica_context()` gives the replica's id and
+        the collectives `all_reduce` and `all_gather`.
+
+        The function is compiled with `jax.shard_map` over the axis
+        `"batch"` once per argument structure and shapes, then cached.
+
+        Example:
+
+        ```python
+        def step(x):
+            return (x * 2.0).sum()              # runs on each replica's rows
+        per_replica = strategy.run(step, args=(batch,))
+        total = strategy.reduce("sum", per_replica, axis=None)
+        ```
+
+        Args:
+            fn: the per-replica function; must return arrays or pytrees of
+                arrays.
+            args: positional arguments of `fn`.
+            kwargs: keyword arguments of `fn`. Defaults to `None`.
+
+        Returns:
+            `fn`'s outputs: a `PerReplica` for each output that differs
+            between replicas, a replicated `jax.Array` for each output that
+            is the same on every replica (e.g. after `all_reduce`).
+
+        Raises:
+            TypeError: if `fn` returns something that is not an array.
+        """
+        return _run.run(self, fn, args, kwargs)
+
+    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None):
+        """Combines the replicas' values into one (outside `run`).
+
+        Args:
+            reduce_op: `"sum"` or `"mean"` (or `kd.ReduceOp.SUM/MEAN`).
+            value: a `PerReplica`, a distributed batch, or an array (the same
+                on every replica); pytrees of them too.
+            axis: `None` to combine the replicas element-wise; an int to
+                also reduce along that axis of each replica's value (e.g.
+                `axis=0` over per-example values: padded rows of a partial
+                batch are left out).
+
+        Raises:
+            ValueError: if `reduce_op` is not a known reduction.
+        """
+        return _cross_replica.reduce(self, reduce_op, value, axis)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenates the replicas' values along `axis` (outside `run`).
+
+        Along axis 0 of per-example values, the padded rows of a partial
+        batch are left out: the result has exactly the real rows.
+        """
+        return _cross_replica.gather(self, value, axis)
+
+    def experimental_local_results(self, value: Any) -> tuple:
+        """The values of this process's replicas, as a tuple (outside `run`)."""
+        return _cross_replica.experimental_local_results(self, value)
+
+    # Distributed input ------------------------------------------------------
+
+    def experimental_distribute_dataset(self, dataset: Any, options=None):
+        """Splits each global batch of `dataset` over the replicas.
+
+        Example:
+
+        ```python
+        GLOBAL_BATCH_SIZE = 64 * strategy.num_replicas_in_sync
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH_SIZE)
+        for images, labels in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(train_step, args=(state, images, labels))
+        ```
+
+        Args:
+            dataset: a `tf.data.Dataset` (or any iterable of NumPy batches)
+                batched by the global batch size.
+            options: a `kd.InputOptions` (prefetch to device, buffer size).
+
+        Returns:
+            A `DistributedDataset`: each `iter()` is a new pass yielding the
+            dataset's elements as global `jax.Array`s split over the replicas.
+            A partial last batch is padded; `run`, `compute_average_loss`,
+            `gather` and `reduce` leave the padding out.
+
+        Raises:
+            ValueError: if the dataset is not batched.
+        """
+        return _distributed_dataset.distribute_dataset(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
+        """Builds the input from `dataset_fn(input_context)` per input pipeline.
+
+        `dataset_fn` gets a `kd.InputContext` and returns a dataset batched by
+        the *per-replica* batch size
+        (`input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)`); one
+        batch per replica forms each global batch.
+
+        Raises:
+            ValueError: if the returned dataset is not batched.
+        """
+        return _distributed_dataset.distribute_datasets_from_function(
+            self, dataset_fn, options
+        )
+
+    # Placement helpers ------------------------------------------------------
+
+    def _is_batch_sharded(self, array: jax.Array) -> bool:
+        sharding = getattr(array, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or array.ndim == 0:
+            return False
+        if sharding.mesh.devices.size != self.num_replicas_in_sync:
+            return False
+        if tuple(sharding.mesh.devices.flat) != self.devices:
+            return False
+        spec = tuple(sharding.spec) + (None,) * array.ndim
+        first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        return tuple(first) == (BATCH_AXIS,) and all(s is None for s in spec[1:])
+
+    def _replicate(self, array) -> jax.Array:
+        sharding = NamedSharding(self.mesh, PartitionSpec())
+        if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(
+            sharding, array.ndim
+        ):
+            return array
+        return jax.device_put(array, sharding)
+
     def _data_sharding(self, ndim: int) -> NamedSharding:
         spec = (
             PartitionSpec(BATCH_AXIS, *([None] * (ndim - 1)))
@@ -87,20 +229,21 @@ class Strategy(keras.distribution.DataParallel):
         )
         return NamedSharding(self.mesh, spec)
 
-    def _distribute_batch(self, data: Any) -> Any:
-        """Pads a host batch to a multiple of the replicas and shards it.
+    def _local_replicas(self) -> int:
+        return sum(d.process_index == jax.process_index() for d in self.devices)
 
-        Returns the batch as global `jax.Array`s split along the first axis
-        over the mesh, wrapped in a `PaddedBatch` when padding was needed.
-        """
-        local_replicas = sum(
-            d.process_index == jax.process_index() for d in self.devices
+    def _input_context(self) -> InputContext:
+        processes = sorted({d.process_index for d in self.devices})
+        return InputContext(
+            num_input_pipelines=len(processes),
+            input_pipeline_id=processes.index(jax.process_index()),
+            num_replicas_in_sync=self.num_replicas_in_sync,
         )
-        data = pad_batch(data, local_replicas)
+
+    def _shard(self, data: Any) -> Any:
+        """Host arrays (rows a multiple of the local replicas) -> global arrays."""
 
         def shard(leaf):
-            if leaf is None:
-                return None
             if not isinstance(leaf, jax.Array):
                 leaf = np.asarray(leaf)
             return jax.make_array_from_process_local_data(
@@ -108,6 +251,20 @@ class Strategy(keras.distribution.DataParallel):
             )
 
         return jax.tree.map(shard, data)
+
+    def _distribute_batch(self, data: Any) -> Any:
+        """A Keras batch for `fit`: padded (as a `PaddedBatch`) and sharded."""
+        return self._shard(pad_batch(data, self._local_replicas()))
+
+    def _distribute_element(self, element: Any) -> Any:
+        """A dataset element: same structure, padded arrays remember real rows."""
+        padded, num_real = pad_rows(element, self._local_replicas())
+        arrays = self._shard(padded)
+        if num_real is not None:
+            for leaf in jax.tree.leaves(arrays):
+                if leaf.ndim:
+                    mark_padded(leaf, num_real)
+        return arrays
 
     def __repr__(self) -> str:
         names = [device_name(d) for d in self.devices]

@@ -1,0 +1,116 @@
+"""`InputContext` and `InputOptions`, as in tf.distribute."""
+
+import dataclasses
+
+__all__ = ["InputContext", "InputOptions"]
+
+
+class InputContext:
+    """What an input function needs to know to build its part of the input.
+
+    Passed to the `dataset_fn` of `strategy.distribute_datasets_from_function`,
+    like `tf.distribute.InputContext`.
+
+    Args:
+        num_input_pipelines: how many input pipelines (processes) feed the
+            replicas. Defaults to 1.
+        input_pipeline_id: this pipeline's index, `0 ... num_input_pipelines-1`.
+            Defaults to 0.
+        num_replicas_in_sync: replicas the global batch is split over.
+            Defaults to 1.
+
+    Raises:
+        ValueError: if a count is not positive or the id is out of range.
+    """
+
+    def __init__(
+        self,
+        num_input_pipelines: int = 1,
+        input_pipeline_id: int = 0,
+        num_replicas_in_sync: int = 1,
+    ):
+        for name, value in (
+            ("num_input_pipelines", num_input_pipelines),
+            ("num_replicas_in_sync", num_replicas_in_sync),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"`{name}` must be a positive int. Received: {name}={value!r}."
+                )
+        if not isinstance(input_pipeline_id, int) or not (
+            0 <= input_pipeline_id < num_input_pipelines
+        ):
+            raise ValueError(
+                "`input_pipeline_id` must be in [0, num_input_pipelines="
+                f"{num_input_pipelines}). Received: "
+                f"input_pipeline_id={input_pipeline_id!r}."
+            )
+        self._num_input_pipelines = num_input_pipelines
+        self._input_pipeline_id = input_pipeline_id
+        self._num_replicas_in_sync = num_replicas_in_sync
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self._num_input_pipelines
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self._input_pipeline_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """The batch of each replica: `global_batch_size / num_replicas_in_sync`.
+
+        Raises:
+            ValueError: if `global_batch_size` is not a positive multiple of
+                `num_replicas_in_sync`.
+        """
+        n = self._num_replicas_in_sync
+        if isinstance(global_batch_size, bool) or not isinstance(
+            global_batch_size, int
+        ):
+            raise TypeError(
+                "`global_batch_size` must be an int. Received: "
+                f"global_batch_size={global_batch_size!r}."
+            )
+        if global_batch_size <= 0 or global_batch_size % n:
+            lower = max(n, global_batch_size // n * n)
+            raise ValueError(
+                "`global_batch_size` must be a positive multiple of the "
+                f"{n} replicas. Received: global_batch_size={global_batch_size}. "
+                f"Use e.g. {lower} or {lower + n}."
+            )
+        return global_batch_size // n
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+            f"input_pipeline_id={self.input_pipeline_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class InputOptions:
+    """Options of distributed datasets, as `tf.distribute.InputOptions`.
+
+    Args:
+        experimental_fetch_to_device: copy batches to the devices ahead of
+            time on a background thread. Defaults to `True`.
+        experimental_per_replica_buffer_size: how many batches to keep ready
+            ahead of the step (>= 1). Defaults to 1.
+    """
+
+    experimental_fetch_to_device: bool = True
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self):
+        size = self.experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                "`experimental_per_replica_buffer_size` must be an int >= 1. "
+                f"Received: experimental_per_replica_buffer_size={size!r}."
+            )

@@ -1,0 +1,148 @@
+"""`reduce`, `gather` and `experimental_local_results`: combining replicas.
+
+Called in the cross-replica context (outside `run`). A value can be a
+`PerReplica`, a global array split over the replicas along its batch axis (a
+batch of a distributed dataset), or any other array, which counts as the same
+value on every replica (so a SUM over replicas multiplies it by the number of
+replicas, as the replicas would). All three accept pytrees.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from keras_dist.data._partial_batch import num_real_of
+from keras_dist.strategies._replica_context import in_replica_context
+from keras_dist.strategies._values import (
+    PerReplica,
+    ReduceOp,
+    concat_replicas,
+    is_per_replica,
+)
+
+__all__ = ["experimental_local_results", "gather", "reduce"]
+
+
+def _cross_replica_only(name: str) -> None:
+    if in_replica_context() is not None:
+        raise RuntimeError(
+            f"`strategy.{name}` combines the replicas' values and is called "
+            "outside `strategy.run`. Inside the function given to `run`, use "
+            "`kd.get_replica_context().all_reduce(op, value)` or "
+            "`.all_gather(value, axis)`."
+        )
+
+
+def _as_per_replica(strategy, leaf) -> PerReplica | None:
+    if isinstance(leaf, PerReplica):
+        return leaf
+    if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
+        replicas = strategy.num_replicas_in_sync
+        b = leaf.shape[0] // replicas
+        return PerReplica(
+            leaf.reshape(replicas, b, *leaf.shape[1:]),
+            num_real=num_real_of(leaf),
+            per_replica_batch=b,
+        )
+    return None
+
+
+def _check_axis(axis, value_ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"`axis` must be an int or None. Received: axis={axis!r}.")
+    if not -value_ndim <= axis < value_ndim:
+        raise ValueError(
+            f"`axis` is out of range for per-replica values of rank {value_ndim}. "
+            f"Received: axis={axis}."
+        )
+    return axis % value_ndim
+
+
+def _concat(value: PerReplica, axis: int) -> jax.Array:
+    merged = concat_replicas(value.stacked, axis)
+    if axis == 0 and value.num_real is not None and value.is_per_example():
+        merged = merged[: value.num_real]
+    return merged
+
+
+def gather(strategy, value: Any, axis: int) -> Any:
+    _cross_replica_only("gather")
+
+    def one(leaf):
+        per_replica = _as_per_replica(strategy, leaf)
+        if per_replica is None:
+            leaf = jnp.asarray(leaf)
+            k = _check_axis(axis, leaf.ndim)
+            return jnp.concatenate([leaf] * strategy.num_replicas_in_sync, axis=k)
+        k = _check_axis(axis, per_replica.stacked.ndim - 1)
+        return _concat(per_replica, k)
+
+    return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
+    op = ReduceOp.parse(reduce_op)
+    _cross_replica_only("reduce")
+    replicas = strategy.num_replicas_in_sync
+
+    def one(leaf):
+        per_replica = _as_per_replica(strategy, leaf)
+        if per_replica is None:
+            leaf = jnp.asarray(leaf)
+            if axis is not None:
+                k = _check_axis(axis, leaf.ndim)
+                return leaf.sum(k) * replicas if op is ReduceOp.SUM else leaf.mean(k)
+            return leaf * replicas if op is ReduceOp.SUM else leaf
+        if axis is None:
+            stacked = per_replica.stacked
+            return stacked.sum(0) if op is ReduceOp.SUM else stacked.mean(0)
+        k = _check_axis(axis, per_replica.stacked.ndim - 1)
+        merged = _concat(per_replica, k)
+        return merged.sum(k) if op is ReduceOp.SUM else merged.mean(k)
+
+    return jax.tree.map(one, value, is_leaf=is_per_replica)
+
+
+def experimental_local_results(strategy, value: Any) -> tuple:
+    """A tuple of the value of each replica of this process (pytrees too)."""
+    _cross_replica_only("experimental_local_results")
+    leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
+    local = [
+        i
+        for i, d in enumerate(strategy.devices)
+        if d.process_index == jax.process_index()
+    ]
+    per_leaf = [_local_values(strategy, leaf, local) for leaf in leaves]
+    if not leaves:
+        return (value,)
+    count = len(per_leaf[0])
+    return tuple(
+        jax.tree.unflatten(treedef, [values[i] for values in per_leaf])
+        for i in range(count)
+    )
+
+
+def _local_values(strategy, leaf, local: list[int]) -> list:
+    if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
+        shards = {s.device: s.data for s in leaf.addressable_shards}
+        b = leaf.shape[0] // strategy.num_replicas_in_sync
+        view = PerReplica(leaf[:0], num_real=num_real_of(leaf), per_replica_batch=b)
+        return [shards[strategy.devices[i]][: view.real_rows(i)] for i in local]
+    per_replica = _as_per_replica(strategy, leaf)
+    if per_replica is None:
+        array = jnp.asarray(leaf)
+        if isinstance(leaf, jax.Array) and leaf.sharding.is_fully_replicated:
+            by_device = {s.device: s.data for s in leaf.addressable_shards}
+            devices = [strategy.devices[i] for i in local]
+            if all(d in by_device for d in devices):
+                return [by_device[d] for d in devices]
+        return [array for _ in local]
+    shards = {s.device: s.data for s in per_replica.stacked.addressable_shards}
+    out = []
+    for i in local:
+        device_value = shards[strategy.devices[i]][0]
+        if per_replica.num_real is not None and per_replica.is_per_example():
+            device_value = device_value[: per_replica.real_rows(i)]
+        out.append(device_value)
+    return out

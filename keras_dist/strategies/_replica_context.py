@@ -1,0 +1,180 @@
+"""`ReplicaContext` and `get_replica_context`: the view from inside `run`."""
+
+import contextlib
+import contextvars
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from keras_dist.strategies._values import ReduceOp
+
+__all__ = ["ReplicaContext", "get_replica_context"]
+
+AXIS = "batch"
+_CURRENT: contextvars.ContextVar["ReplicaContext | None"] = contextvars.ContextVar(
+    "keras_dist_replica_context", default=None
+)
+
+
+class ReplicaContext:
+    """What a function run by `strategy.run` sees: its replica and collectives.
+
+    Like `tf.distribute.ReplicaContext`. Obtain it with
+    `kd.get_replica_context()` inside the function given to `strategy.run`.
+
+    Args:
+        strategy: the strategy running the replicas.
+        per_replica_batch: rows of the batch each replica received, if a
+            batch was passed to `run`.
+        num_real: real rows of the global batch when it was padded, else None.
+    """
+
+    def __init__(self, strategy, *, per_replica_batch=None, num_real=None):
+        self.strategy = strategy
+        self.per_replica_batch = per_replica_batch
+        self.num_real = num_real
+        self._in_run = True
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas taking part in the collectives."""
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        """This replica's index, `0 ... num_replicas_in_sync - 1` (traced)."""
+        return jax.lax.axis_index(AXIS)
+
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
+        """Sums or averages `value` (a pytree of arrays) over all replicas.
+
+        Note: gradients of replicated weights (`jax.grad` with respect to
+        arguments every replica received whole) are already summed over the
+        replicas — JAX adds the all-reduce to the backward pass, as
+        tf.distribute's `apply_gradients` did. Summing them again multiplies
+        them by `num_replicas_in_sync`; keras_dist warns when asked to.
+        """
+        op = ReduceOp.parse(reduce_op)
+        collective = jax.lax.psum if op is ReduceOp.SUM else jax.lax.pmean
+        leaves = jax.tree.leaves(value)
+        if op is ReduceOp.SUM and leaves and not any(varies(v) for v in leaves):
+            warnings.warn(
+                "all_reduce('sum') of a value that is already the same on every "
+                "replica multiplies it by num_replicas_in_sync="
+                f"{self.num_replicas_in_sync}. Gradients of replicated weights "
+                "come out of jax.grad already summed over the replicas: apply "
+                "them without all_reduce.",
+                stacklevel=2,
+            )
+        return jax.tree.map(lambda v: collective(v, AXIS), value)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates every replica's `value` along `axis` (pytrees too)."""
+        return jax.tree.map(
+            lambda v: jax.lax.all_gather(v, AXIS, axis=axis, tiled=True), value
+        )
+
+    def example_mask(self, rows: int) -> jax.Array | None:
+        """1 for this replica's real rows, 0 for padding; None when unpadded.
+
+        Raises:
+            ValueError: if `rows` is not the number of rows of this replica's
+                batch, so real and padded rows cannot be told apart.
+        """
+        if self.num_real is None:
+            return None
+        if rows != self.per_replica_batch:
+            raise ValueError(
+                "The batch given to `strategy.run` was padded (a partial last "
+                f"batch of {self.num_real} examples), so per-example values "
+                f"must have one row per example of the replica's batch "
+                f"({self.per_replica_batch} rows). Received a value with "
+                f"{rows} rows."
+            )
+        first = self.replica_id_in_sync_group * rows
+        return (first + jnp.arange(rows)) < self.num_real
+
+    def global_batch_size(self, rows: int) -> int:
+        """The real number of examples in the global batch."""
+        if self.num_real is not None:
+            return self.num_real
+        return rows * self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return f"ReplicaContext(strategy={self.strategy!r})"
+
+
+class _DefaultReplicaContext(ReplicaContext):
+    """The context outside any strategy: one replica, collectives are identities."""
+
+    def __init__(self):
+        self.strategy = None
+        self.per_replica_batch = None
+        self.num_real = None
+        self._in_run = False
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return 1
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        return jnp.asarray(0, dtype="int32")
+
+    def all_reduce(self, reduce_op, value):
+        ReduceOp.parse(reduce_op)
+        return value
+
+    def all_gather(self, value, axis=0):
+        return value
+
+    def __repr__(self) -> str:
+        return "ReplicaContext(default, num_replicas_in_sync=1)"
+
+
+def varies(value) -> bool:
+    """Whether JAX knows `value` (traced in `run`) to differ between replicas.
+
+    Conservative: True when this JAX version does not say.
+    """
+    aval = jax.typeof(value)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = getattr(mat, "varying", None)
+    if varying is None:
+        varying = getattr(aval, "vma", None)
+    return True if varying is None else AXIS in varying
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current replica context, as `tf.distribute.get_replica_context`.
+
+    Inside a function run by `strategy.run`: that replica's context. Inside a
+    `strategy.scope()` but outside `run` (the cross-replica context): `None`.
+    With no strategy at all: a default context of one replica.
+    """
+    current = _CURRENT.get()
+    if current is not None:
+        return current
+    from keras_dist.strategies._base import Strategy
+
+    if isinstance(keras.distribution.distribution(), Strategy):
+        return None
+    return _DefaultReplicaContext()
+
+
+def in_replica_context() -> ReplicaContext | None:
+    """The context of the replica being traced by `run`, else None."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def replica_context(context: ReplicaContext) -> Iterator[ReplicaContext]:
+    token = _CURRENT.set(context)
+    try:
+        yield context
+    finally:
+        _CURRENT.reset(token)

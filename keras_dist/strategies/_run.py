@@ -1,0 +1,187 @@
+"""`Strategy.run`: one call of a function per replica, with `jax.shard_map`.
+
+Each leaf of the arguments is classified once:
+
+- a global array split along the batch axis over the strategy's mesh (a
+  batch of a distributed dataset): each replica gets its own rows;
+- a `PerReplica` (the output of an earlier `run`): each replica gets its own;
+- any other array (weights, optimizer state, NumPy arrays): every replica
+  gets the whole value, replicated, as in tf.distribute;
+- anything else hashable (Python numbers, strings): a compile-time constant.
+
+The function is traced inside `shard_map` over the axis `"batch"` and
+compiled once per argument structure, shapes and constants. JAX tracks which
+outputs vary over the replicas: those come back as `PerReplica`; outputs that
+are the same on every replica (e.g. weights updated from all-reduced
+gradients) come back as one replicated `jax.Array`, like tf.distribute's
+mirrored values.
+"""
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from keras_dist.data._partial_batch import num_real_of
+from keras_dist.strategies._replica_context import (
+    AXIS,
+    ReplicaContext,
+    replica_context,
+    varies,
+)
+from keras_dist.strategies._values import PerReplica, is_per_replica
+
+__all__ = ["run"]
+
+
+class _Kind(enum.Enum):
+    BATCH = "batch"
+    STACKED = "stacked"
+    REPLICATED = "replicated"
+    STATIC = "static"
+
+
+def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(
+            "`args` must be a tuple of positional arguments. Received: "
+            f"args={args!r}. For one argument write args=(x,)."
+        )
+    leaves, treedef = jax.tree.flatten(
+        (tuple(args), dict(kwargs or {})), is_leaf=is_per_replica
+    )
+    kinds, values, statics, batch = _classify(strategy, leaves)
+    key = (
+        fn,
+        treedef,
+        tuple(kinds),
+        tuple(statics),
+        batch,
+        tuple((v.shape, v.dtype) for v in values),
+    )
+    compiled = strategy._run_cache.get(key)
+    if compiled is None:
+        compiled = _compile(strategy, fn, treedef, kinds, statics, batch, values)
+        strategy._run_cache[key] = compiled
+    return compiled(values)
+
+
+def _classify(strategy, leaves):
+    kinds, values, statics = [], [], []
+    per_replica_batch, num_real = None, None
+    replicas = strategy.num_replicas_in_sync
+    for leaf in leaves:
+        if isinstance(leaf, PerReplica):
+            _check_replicas(leaf, replicas)
+            kinds.append(_Kind.STACKED)
+            values.append(leaf.stacked)
+            if leaf.per_replica_batch is not None and per_replica_batch is None:
+                per_replica_batch, num_real = leaf.per_replica_batch, leaf.num_real
+        elif isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
+            kinds.append(_Kind.BATCH)
+            values.append(leaf)
+            if per_replica_batch is None:
+                per_replica_batch = leaf.shape[0] // replicas
+                num_real = num_real_of(leaf)
+        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+            kinds.append(_Kind.REPLICATED)
+            values.append(strategy._replicate(leaf))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TypeError(
+                    "Arguments of `strategy.run` must be arrays, pytrees of "
+                    "arrays, or hashable constants. Received an argument of "
+                    f"type {type(leaf).__name__}: {leaf!r}."
+                ) from None
+            kinds.append(_Kind.STATIC)
+            statics.append(leaf)
+    return kinds, values, statics, (per_replica_batch, num_real)
+
+
+def _check_replicas(value: PerReplica, replicas: int) -> None:
+    if value.num_replicas != replicas:
+        raise ValueError(
+            f"A PerReplica value of {value.num_replicas} replicas was passed to "
+            f"a strategy of {replicas} replicas. Received: {value!r}."
+        )
+
+
+def _compile(strategy, fn, treedef, kinds, statics, batch, values):
+    per_replica_batch, num_real = batch
+    specs = [
+        PartitionSpec() if kind is _Kind.REPLICATED else PartitionSpec(AXIS)
+        for kind in kinds
+        if kind is not _Kind.STATIC
+    ]
+    out = {}
+
+    def body(varying, *vals):
+        vals_it, statics_it = iter(vals), iter(statics)
+        rebuilt = []
+        for kind in kinds:
+            if kind is _Kind.STATIC:
+                rebuilt.append(next(statics_it))
+            elif kind is _Kind.STACKED:
+                rebuilt.append(next(vals_it)[0])
+            else:
+                rebuilt.append(next(vals_it))
+        call_args, call_kwargs = jax.tree.unflatten(treedef, rebuilt)
+        context = ReplicaContext(
+            strategy, per_replica_batch=per_replica_batch, num_real=num_real
+        )
+        with replica_context(context):
+            result = fn(*call_args, **call_kwargs)
+        leaves, out["tree"] = jax.tree.flatten(result)
+        leaves = [_as_array(leaf, fn) for leaf in leaves]
+        if varying is None:  # Probe: learn which outputs vary over replicas.
+            out["varying"] = [varies(leaf) for leaf in leaves]
+            return [leaf[None] for leaf in leaves]
+        return [
+            leaf[None] if v else leaf for leaf, v in zip(leaves, varying, strict=True)
+        ]
+
+    def shard_mapped(varying):
+        out_specs = (
+            PartitionSpec(AXIS)
+            if varying is None
+            else [PartitionSpec(AXIS) if v else PartitionSpec() for v in varying]
+        )
+        return jax.shard_map(
+            lambda *vals: body(varying, *vals),
+            mesh=strategy.mesh,
+            in_specs=tuple(specs),
+            out_specs=out_specs,
+        )
+
+    jax.eval_shape(shard_mapped(None), *values)
+    varying = out["varying"]
+    jitted = jax.jit(shard_mapped(varying))
+
+    def call(vals):
+        leaves = jitted(*vals)
+        wrapped = [
+            PerReplica(leaf, num_real=num_real, per_replica_batch=per_replica_batch)
+            if v
+            else leaf
+            for leaf, v in zip(leaves, varying, strict=True)
+        ]
+        return jax.tree.unflatten(out["tree"], wrapped)
+
+    return call
+
+
+def _as_array(leaf, fn):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, bool)):
+        return jax.numpy.asarray(leaf)
+    raise TypeError(
+        f"The function given to `strategy.run` ({getattr(fn, '__name__', fn)!r}) "
+        "must return arrays or pytrees (tuples, lists, dicts) of arrays. "
+        f"Received an output of type {type(leaf).__name__}: {leaf!r}."
+    )
