@@ -95,7 +95,7 @@ def test_bad_input():
         kd.losses.compute_average_loss(LOSSES, global_batch_size=0)
     with pytest.raises(ValueError, match="global_batch_size=-4"):
         kd.losses.compute_average_loss(LOSSES, global_batch_size=-4)
-    with pytest.raises(TypeError, match="global_batch_size=2.5"):
+    with pytest.raises(TypeError, match=r"global_batch_size=2\.5"):
         kd.losses.compute_average_loss(LOSSES, global_batch_size=2.5)
     with pytest.raises(TypeError, match="regularization_loss"):
         kd.losses.scale_regularization_loss(np.int32(3))

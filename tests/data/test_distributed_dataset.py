@@ -104,7 +104,8 @@ def test_input_context():
     )
     assert ctx.get_per_replica_batch_size(64) == 8
     assert repr(ctx) == (
-        "InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)"
+        "InputContext(num_input_pipelines=2, input_pipeline_id=1, "
+        "num_replicas_in_sync=8)"
     )
     with pytest.raises(
         ValueError, match=r"Received: global_batch_size=60\. Use e\.g\. 56 or 64"
@@ -127,7 +128,7 @@ def test_unbatched_dataset_is_refused():
         strategy.distribute_datasets_from_function(
             lambda ctx: tf.data.Dataset.from_tensor_slices((x, y))
         )
-    with pytest.raises(TypeError, match="kd.InputOptions"):
+    with pytest.raises(TypeError, match=r"kd\.InputOptions"):
         strategy.experimental_distribute_dataset([x], options={"prefetch": 2})
     with pytest.raises(ValueError, match="experimental_per_replica_buffer_size=0"):
         kd.InputOptions(experimental_per_replica_buffer_size=0)
