@@ -7,11 +7,14 @@ API cannot express are done here, on Keras's JAX trainer
 (`keras.src.backend.jax.trainer`), checked against Keras `CHECKED_KERAS`:
 
 1. **Partial batches.** Keras turns each host batch into a global array with
-   the module function `_distribute_data`; on a batch that does not split
-   evenly over the replicas it raises (keras#21167). keras_dist replaces it,
-   while one of its strategies is current, with `Strategy._distribute_batch`
-   (pad + record the real size), and wraps the module's `jit` so every
-   compiled step first cuts a `PaddedBatch` back to its real rows.
+   the module function `_distribute_data` (per pass in
+   `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
+   split evenly over the replicas it raises (keras#21167). keras_dist
+   replaces both, while one of its strategies is current, with
+   `Strategy._distribute_batch` (pad + record the real size; batches of one
+   pass must keep their structure, rank and dtype), and wraps the module's
+   `jit` so every compiled step first cuts a `PaddedBatch` back to its real
+   rows.
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
    `*_on_batch` methods enter the scope of the strategy the model was built
    under when no scope is open (the tf.distribute tutorials call `fit`
@@ -39,6 +42,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dist.data._batch_checks import BatchSignature
 from keras_dist.data._partial_batch import unpadding
 from keras_dist.errors import StrategyMismatchError
 
@@ -81,6 +85,9 @@ def seams() -> dict[str, Any]:
         "trainer.jit": getattr(module, "jit", None),
         "trainer._distribute_data": getattr(module, "_distribute_data", None),
         "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
+        "trainer.JAXEpochIterator._get_distributed_iterator": getattr(
+            getattr(module, "JAXEpochIterator", None), "_get_distributed_iterator", None
+        ),
     }
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "jax_state_sync"):
@@ -111,6 +118,9 @@ def install() -> None:
     _originals["_distribute_data"] = module._distribute_data
     module.jit = _jit
     module._distribute_data = _distribute_data
+    iterator_cls = module.JAXEpochIterator
+    _originals["_get_distributed_iterator"] = iterator_cls._get_distributed_iterator
+    iterator_cls._get_distributed_iterator = _get_distributed_iterator
     for name in ENTRY_POINTS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
@@ -137,6 +147,20 @@ def _distribute_data(data, layouts=None):
     if strategy is None:
         return _originals["_distribute_data"](data, layouts)
     return strategy._distribute_batch(data)
+
+
+def _get_distributed_iterator(self, distribution):
+    """Keras's per-pass batch iterator, with keras_dist's checks and padding."""
+    from keras_dist.strategies._base import Strategy
+
+    if not isinstance(distribution, Strategy):
+        yield from _originals["_get_distributed_iterator"](self, distribution)
+        return
+    name = type(self.data_adapter).__name__.removesuffix("Adapter")
+    signature = BatchSignature(f"the {name} input")
+    for index, data in enumerate(self.data_adapter.get_jax_iterator()):
+        signature.check(data, index)
+        yield distribution._distribute_batch(data)
 
 
 def _entry_point(method: Callable) -> Callable:

@@ -41,6 +41,10 @@ def test_seams_are_installed_once_by_the_first_strategy():
 
     assert trainer.jit is _keras_compat._jit
     assert trainer._distribute_data is _keras_compat._distribute_data
+    assert (
+        trainer.JAXEpochIterator._get_distributed_iterator
+        is _keras_compat._get_distributed_iterator
+    )
     for name in (*_keras_compat.ENTRY_POINTS, *_keras_compat.STEP_BUILDERS):
         wrapped = getattr(trainer.JAXTrainer, name)
         assert (
