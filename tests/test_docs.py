@@ -64,6 +64,16 @@ def test_readme_quickstart_runs():
     assert "Epoch 3/3" in out
 
 
+def test_readme_custom_training_loop_runs():
+    blocks = _python_blocks(ROOT / "README.md")
+    assert len(blocks) >= 2
+    out = _run(["-c", blocks[1]])
+    losses = [float(v) for v in re.findall(r"^Epoch \d, Loss: (\d\.\d{4})$", out, re.M)]
+    assert len(losses) == 5
+    assert losses[-1] < losses[0]
+    assert out.strip().splitlines()[-1] == "True"
+
+
 @pytest.mark.slow
 def test_demo_runs_and_matches_one_device():
     out = _run(["examples/digits_cnn.py", "--epochs", "2"])

@@ -55,11 +55,11 @@ MAKERS = {
     "tf.data": lambda x, y=None: tf.data.Dataset.from_tensor_slices(
         x if y is None else (x, y)
     ).batch(B),
-    "tf.data-unknown-batch": lambda x, y=None: tf.data.Dataset.from_tensor_slices(
-        x if y is None else (x, y)
-    )
-    .batch(B)
-    .filter(lambda *args: True),
+    "tf.data-unknown-batch": lambda x, y=None: (
+        tf.data.Dataset.from_tensor_slices(x if y is None else (x, y))
+        .batch(B)
+        .filter(lambda *args: True)
+    ),
     "PyDataset": lambda x, y=None: _Batches(x, y),
     "PyDataset-workers": lambda x, y=None: _Batches(x, y, workers=2),
     "generator": _generator,
@@ -72,8 +72,11 @@ def _run(strategy, kind):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential(
-            [keras.Input((6,)), keras.layers.Dense(8, activation="relu"),
-             keras.layers.Dense(3)]
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="relu"),
+                keras.layers.Dense(3),
+            ]
         )
         model.compile(
             optimizer="adam",
@@ -83,26 +86,41 @@ def _run(strategy, kind):
     make = MAKERS[kind]
     steps = kind == "generator"
     if make is None:
-        history = model.fit(X, Y, batch_size=B, epochs=2, validation_data=(XV, YV),
-                            shuffle=False, verbose=0)
+        history = model.fit(
+            X,
+            Y,
+            batch_size=B,
+            epochs=2,
+            validation_data=(XV, YV),
+            shuffle=False,
+            verbose=0,
+        )
         evaluated = model.evaluate(X, Y, batch_size=B, verbose=0)
         predicted = model.predict(X, batch_size=B, verbose=0)
     else:
         history = model.fit(
-            make(X, Y), epochs=2, validation_data=make(XV, YV), shuffle=False,
-            verbose=0, steps_per_epoch=STEPS["train"] if steps else None,
+            make(X, Y),
+            epochs=2,
+            validation_data=make(XV, YV),
+            shuffle=False,
+            verbose=0,
+            steps_per_epoch=STEPS["train"] if steps else None,
             validation_steps=STEPS["val"] if steps else None,
         )
-        evaluated = model.evaluate(make(X, Y), verbose=0,
-                                   steps=STEPS["train"] if steps else None)
-        predicted = model.predict(make(X), verbose=0,
-                                  steps=STEPS["train"] if steps else None)
+        evaluated = model.evaluate(
+            make(X, Y), verbose=0, steps=STEPS["train"] if steps else None
+        )
+        predicted = model.predict(
+            make(X), verbose=0, steps=STEPS["train"] if steps else None
+        )
     return history.history, model.get_weights(), evaluated, predicted
 
 
 @pytest.mark.parametrize("kind", list(MAKERS))
 def test_input_type_matches_one_device(kind):
-    ref_history, ref_weights, ref_eval, ref_pred = _run(kd.OneDeviceStrategy("cpu:0"), kind)
+    ref_history, ref_weights, ref_eval, ref_pred = _run(
+        kd.OneDeviceStrategy("cpu:0"), kind
+    )
     history, weights, evaluated, predicted = _run(mirrored(8), kind)
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history)
     assert_history_close(ref_history, history)
@@ -118,17 +136,21 @@ def test_tfds_mock_data_matches_one_device():
         return dataset.map(lambda img, label: (tf.cast(img, "float32") / 255.0, label))
 
     results = []
-    with tfds.testing.mock_data(num_examples=37, policy=tfds.testing.MockPolicy.USE_CODE):
+    with tfds.testing.mock_data(
+        num_examples=37, policy=tfds.testing.MockPolicy.USE_CODE
+    ):
         for strategy in (kd.OneDeviceStrategy("cpu:0"), mirrored(4)):
             keras.utils.set_random_seed(0)
             with strategy.scope():
-                model = keras.Sequential([
-                    keras.Input((28, 28, 1)),
-                    keras.layers.Conv2D(4, 3, activation="relu"),
-                    keras.layers.MaxPooling2D(),
-                    keras.layers.Flatten(),
-                    keras.layers.Dense(10),
-                ])
+                model = keras.Sequential(
+                    [
+                        keras.Input((28, 28, 1)),
+                        keras.layers.Conv2D(4, 3, activation="relu"),
+                        keras.layers.MaxPooling2D(),
+                        keras.layers.Flatten(),
+                        keras.layers.Dense(10),
+                    ]
+                )
                 model.compile(
                     optimizer="adam",
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -136,10 +158,14 @@ def test_tfds_mock_data_matches_one_device():
                 )
             train, test = load("train").batch(B), load("test").batch(B)
             history = model.fit(train, validation_data=test, epochs=2, verbose=0)
-            results.append((
-                history.history, model.get_weights(), model.evaluate(test, verbose=0),
-                model.predict(test.map(lambda img, label: img), verbose=0),
-            ))
+            results.append(
+                (
+                    history.history,
+                    model.get_weights(),
+                    model.evaluate(test, verbose=0),
+                    model.predict(test.map(lambda img, label: img), verbose=0),
+                )
+            )
     (h1, w1, e1, p1), (h4, w4, e4, p4) = results
     assert_history_close(h1, h4)
     assert_weights_close(w1, w4)
@@ -173,8 +199,10 @@ def test_pydataset_whose_batches_change_rank_mid_epoch():
 
 def test_grain_dataset_whose_batches_change_dtype_mid_epoch():
     records = [(x, y) for x, y in zip(X, Y, strict=True)]
-    dataset = grain.MapDataset.source(records).batch(B).map(
-        lambda b: (b[0].astype("float64") if b[0].shape[0] < B else b[0], b[1])
+    dataset = (
+        grain.MapDataset.source(records)
+        .batch(B)
+        .map(lambda b: (b[0].astype("float64") if b[0].shape[0] < B else b[0], b[1]))
     )
     with mirrored(8).scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
