@@ -14,7 +14,7 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import errors, losses  # noqa: E402
+from keras_dist import callbacks, errors, losses  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     MirroredStrategy,
@@ -38,6 +38,7 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "__version__",
+    "callbacks",
     "errors",
     "get_replica_context",
     "losses",

@@ -43,7 +43,7 @@ import keras
 import numpy as np
 
 from keras_dist.data._batch_checks import BatchSignature
-from keras_dist.data._partial_batch import unpadding
+from keras_dist.data._partial_batch import batch_size_of, unpadding
 from keras_dist.errors import StrategyMismatchError
 
 CHECKED_KERAS = "3.15"
@@ -160,6 +160,8 @@ def _get_distributed_iterator(self, distribution):
     signature = BatchSignature(f"the {name} input")
     for index, data in enumerate(self.data_adapter.get_jax_iterator()):
         signature.check(data, index)
+        if index == 0:
+            distribution._observed_batch_size = batch_size_of(data)
         yield distribution._distribute_batch(data)
 
 
@@ -296,3 +298,16 @@ def _reattach(model, snapshot) -> None:
             if isinstance(value, jax.Array) and value.is_deleted():
                 continue  # Donated to a step that ran; nothing left to restore.
             v._value = value
+
+
+def sync_state(model) -> None:
+    """Writes the state a running `fit` holds back into the Keras variables.
+
+    The JAX trainer keeps the state outside the variables between steps;
+    after this, variables can be read or assigned, and the trainer re-reads
+    them before its next step.
+    """
+    if getattr(model, "_jax_state", None) and not getattr(
+        model, "_jax_state_synced", True
+    ):
+        model.jax_state_sync()

@@ -1,0 +1,156 @@
+"""`ModelCheckpoint` that only the chief writes, atomically; `latest_checkpoint`."""
+
+import json
+import os
+
+import keras
+
+from keras_dist.callbacks._chief import is_chief
+from keras_dist.callbacks._files import atomic_write, check_writable_dir
+
+__all__ = ["ModelCheckpoint", "latest_checkpoint"]
+
+STATE_FILE = "checkpoint"
+_SUFFIXES = (".weights.h5", ".keras", ".h5")
+
+
+class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keras's `ModelCheckpoint`, safe with many processes and crashes.
+
+    Same arguments and behaviour as `keras.callbacks.ModelCheckpoint`
+    (`monitor`, `save_best_only`, `save_weights_only`, `mode`, `save_freq`
+    including integer steps, `{epoch}` and metric formatting), plus:
+
+    - only the chief (process 0) writes; the other processes write nothing;
+    - each file is written to a temporary name in the same directory, then
+      renamed: a crash mid-write leaves the previous file intact;
+    - `max_to_keep` deletes the oldest checkpoints beyond that number;
+    - a `checkpoint` file in the directory lists them, newest last, for
+      `kd.callbacks.latest_checkpoint(directory)`;
+    - the directory is checked for writing when the callback is created.
+
+    A tf.distribute-style prefix without a suffix (`"ckpt_{epoch}"`) gets
+    `.weights.h5` with `save_weights_only=True` and `.keras` otherwise.
+
+    Example:
+
+    ```python
+    ckpt = kd.callbacks.ModelCheckpoint("ckpts/ckpt_{epoch}", save_weights_only=True)
+    model.fit(x, y, epochs=3, callbacks=[ckpt])
+    model.load_weights(kd.callbacks.latest_checkpoint("ckpts"))
+    ```
+
+    Args:
+        filepath: where to save; may contain `{epoch}`, `{batch}` and log keys.
+        max_to_keep: keep at most this many checkpoints (oldest deleted).
+            Defaults to `None`: keep all.
+        **kwargs: the arguments of `keras.callbacks.ModelCheckpoint`.
+
+    Raises:
+        ValueError: if `filepath` has a suffix that does not match
+            `save_weights_only`, or `max_to_keep` is not a positive int.
+        PermissionError: if the directory of `filepath` is not writable.
+    """
+
+    def __init__(self, filepath, *, max_to_keep: int | None = None, **kwargs):
+        filepath = os.fspath(filepath)
+        weights_only = kwargs.get("save_weights_only", False)
+        if not filepath.endswith(_SUFFIXES) and "." not in os.path.basename(filepath):
+            filepath += ".weights.h5" if weights_only else ".keras"
+        expected = (".weights.h5",) if weights_only else (".keras", ".h5")
+        if not filepath.endswith(expected) or (
+            not weights_only and filepath.endswith(".weights.h5")
+        ):
+            raise ValueError(
+                f"`filepath` must end in {' or '.join(expected)} with "
+                f"save_weights_only={weights_only}. Received: filepath={filepath!r}."
+            )
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool)
+            or not isinstance(max_to_keep, int)
+            or max_to_keep < 1
+        ):
+            raise ValueError(
+                f"`max_to_keep` must be a positive int or None. Received: "
+                f"max_to_keep={max_to_keep!r}."
+            )
+        super().__init__(filepath, **kwargs)
+        self.max_to_keep = max_to_keep
+        self.directory = check_writable_dir(
+            os.path.dirname(filepath) or ".", argument="filepath"
+        )
+        self._kept: list[str] = []
+
+    def _save_model(self, epoch, batch, logs):
+        filepath = self._get_file_path(epoch, batch, logs)
+        if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        if not is_chief():
+            return
+        if os.path.isdir(filepath):
+            raise IsADirectoryError(
+                f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
+                "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
+            )
+        if self.save_weights_only:
+            atomic_write(filepath, lambda p: self.model.save_weights(p, overwrite=True))
+        else:
+            atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
+        self._record(filepath)
+
+    def _record(self, filepath: str) -> None:
+        filepath = os.path.abspath(filepath)
+        if filepath in self._kept:
+            self._kept.remove(filepath)
+        self._kept.append(filepath)
+        if self.max_to_keep is not None:
+            while len(self._kept) > self.max_to_keep:
+                old = self._kept.pop(0)
+                if os.path.exists(old):
+                    os.remove(old)
+        directory = os.path.dirname(filepath)
+        state = {
+            "latest": os.path.basename(filepath),
+            "all": [
+                os.path.basename(p)
+                for p in self._kept
+                if os.path.dirname(p) == directory
+            ],
+        }
+        atomic_write(
+            os.path.join(directory, STATE_FILE),
+            lambda p: _write_json(p, state),
+        )
+
+
+def _write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The newest checkpoint in `directory`, or None if there is none.
+
+    Reads the `checkpoint` file `ModelCheckpoint` keeps; without one, picks
+    the most recently modified `.weights.h5`/`.keras` file (ignoring
+    temporary files of interrupted writes).
+    """
+    directory = os.fspath(directory)
+    state_path = os.path.join(directory, STATE_FILE)
+    if os.path.exists(state_path):
+        with open(state_path) as f:
+            latest = json.load(f).get("latest")
+        if latest and os.path.exists(os.path.join(directory, latest)):
+            return os.path.join(directory, latest)
+    if not os.path.isdir(directory):
+        return None
+    candidates = [
+        os.path.join(directory, name)
+        for name in os.listdir(directory)
+        if name.endswith(_SUFFIXES) and not name.startswith(".tmp-")
+    ]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (os.path.getmtime(p), p))
