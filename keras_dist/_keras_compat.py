@@ -158,11 +158,31 @@ def _get_distributed_iterator(self, distribution):
         return
     name = type(self.data_adapter).__name__.removesuffix("Adapter")
     signature = BatchSignature(f"the {name} input")
+    skip = _replay(self, distribution)
     for index, data in enumerate(self.data_adapter.get_jax_iterator()):
+        if index < skip:
+            continue
         signature.check(data, index)
         if index == 0:
             distribution._observed_batch_size = batch_size_of(data)
         yield distribution._distribute_batch(data)
+
+
+def _replay(epoch_iterator, strategy) -> int:
+    """Carries out a pending `ResumePlan`; returns the batches to skip."""
+    plan = getattr(strategy, "_resume_plan", None)
+    if plan is None:
+        return 0
+    strategy._resume_plan = None
+    adapter = epoch_iterator.data_adapter
+    for _ in range(plan.replay_passes):  # Repeat every random draw of the input.
+        for _ in adapter.get_jax_iterator():
+            pass
+        adapter.on_epoch_end()
+        adapter.on_epoch_begin()
+    # Keras counts the epoch's steps; the skipped ones are already done.
+    epoch_iterator._steps_seen += plan.skip_batches
+    return plan.skip_batches
 
 
 def _entry_point(method: Callable) -> Callable:
@@ -174,6 +194,9 @@ def _entry_point(method: Callable) -> Callable:
         if strategy is None:
             return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
+        if method.__name__ == "fit":
+            bound = signature.bind_partial(model, *args, **kwargs).arguments
+            model._keras_dist_initial_epoch = bound.get("initial_epoch", 0)
         _place_variables(model, strategy, move=False)  # Refuse before building.
         with contextlib.ExitStack() as stack:
             if keras.distribution.distribution() is None:

@@ -1,11 +1,13 @@
 """Callbacks that are right under distribution."""
 
+from keras_dist.callbacks._backup_and_restore import BackupAndRestore
 from keras_dist.callbacks._lr_scheduler import LearningRateScheduler
 from keras_dist.callbacks._model_checkpoint import ModelCheckpoint, latest_checkpoint
 from keras_dist.callbacks._print_lr import PrintLR
 from keras_dist.callbacks._warmup import LearningRateWarmup
 
 __all__ = [
+    "BackupAndRestore",
     "LearningRateScheduler",
     "LearningRateWarmup",
     "ModelCheckpoint",

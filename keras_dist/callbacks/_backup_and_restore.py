@@ -1,0 +1,327 @@
+"""`BackupAndRestore`: resume an interrupted `fit` exactly where it stopped."""
+
+import dataclasses
+import os
+import shutil
+import signal
+import threading
+import warnings
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist.callbacks._chief import is_chief
+from keras_dist.callbacks._files import check_writable_dir
+
+__all__ = ["BackupAndRestore"]
+
+_GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """Where the data of a resumed `fit` must start.
+
+    Attributes:
+        replay_passes: full passes over the input to replay (read and drop)
+            so every random draw of the pipeline (shuffles) repeats.
+        skip_batches: batches of the resumed epoch already trained on.
+    """
+
+    replay_passes: int
+    skip_batches: int
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the whole training state; a restarted `fit` continues exactly.
+
+    Beyond `keras.callbacks.BackupAndRestore` and tf.distribute's, which redo
+    the interrupted epoch: the backup holds the weights, the optimizer state,
+    the metric accumulators of the epoch, the random-generator states the
+    model keeps in variables (dropout), the epoch and the step within it. A
+    run killed at any step (even SIGKILL) and restarted with the same command
+    replays the input pipeline up to that step — reading, not training — so
+    every shuffle repeats, and ends with the weights of an uninterrupted run.
+    On SIGTERM (preemption) it saves at the next step boundary and exits the
+    process with status 0.
+
+    Backups are Orbax checkpoints (atomic: written aside, then committed by a
+    rename; the previous one is kept). A backup that cannot be read is
+    reported and the previous one used. Restoring onto another number of
+    replicas reshards the state onto the current strategy.
+
+    Exactness needs what an uninterrupted run needs to be reproducible: the
+    same seeds set before `fit` (e.g. `keras.utils.set_random_seed`), and an
+    input that can be iterated again (arrays, `tf.data`, `PyDataset`, Grain;
+    not a one-shot generator).
+
+    Example:
+
+    ```python
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = make_model(); model.compile(...)
+    model.fit(x, y, epochs=10, callbacks=[
+        kd.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)])
+    ```
+
+    Args:
+        backup_dir: directory of the backups (created; must be writable).
+        save_freq: `"epoch"` or an int: back up every that many steps (and at
+            every epoch end). Defaults to `"epoch"`.
+        delete_checkpoint: delete the backups when `fit` completes. Defaults
+            to `True`.
+        save_before_preemption: on SIGTERM, back up at the next step boundary
+            and exit. Defaults to `True`.
+
+    Raises:
+        ValueError: for an empty `backup_dir` or a bad `save_freq`.
+        PermissionError: if `backup_dir` is not writable.
+    """
+
+    def __init__(
+        self,
+        backup_dir,
+        *,
+        save_freq: "str | int" = "epoch",
+        delete_checkpoint: bool = True,
+        save_before_preemption: bool = True,
+    ):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError(
+                "`backup_dir` must name a directory. Received: "
+                f"backup_dir={backup_dir!r}."
+            )
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool)
+            or not isinstance(save_freq, int)
+            or save_freq < 1
+        ):
+            raise ValueError(
+                '`save_freq` must be "epoch" or a positive int (steps). Received: '
+                f"save_freq={save_freq!r}."
+            )
+        self.backup_dir = check_writable_dir(
+            os.fspath(backup_dir), argument="backup_dir"
+        )
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
+        self._manager = None
+        self._preempted = threading.Event()
+        self._previous_handler = None
+
+    # Life cycle ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        import orbax.checkpoint as ocp
+
+        self._manager = ocp.CheckpointManager(
+            self.backup_dir,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=2, enable_async_checkpointing=False, create=True
+            ),
+        )
+        self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
+        self._fit_initial_epoch = getattr(self.model, "_keras_dist_initial_epoch", 0)
+        self._restore()
+        self._install_sigterm_handler()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if self._resumed_metrics is not None:  # fit reset them; put them back.
+            for v, value in zip(
+                self.model.metrics_variables, self._resumed_metrics, strict=True
+            ):
+                v.assign(value)
+            self._resumed_metrics = None
+        else:
+            self._step_in_epoch = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step_in_epoch += 1
+        if self._preempted.is_set():
+            self._save(self._epoch, self._step_in_epoch)
+            if is_chief():
+                print(
+                    f"\nBackupAndRestore: preempted (SIGTERM); saved epoch "
+                    f"{self._epoch} step {self._step_in_epoch} to {self.backup_dir}; "
+                    "exiting.",
+                    flush=True,
+                )
+            self._uninstall_sigterm_handler()
+            raise SystemExit(0)
+        if self.save_freq != "epoch" and self._step_in_epoch % self.save_freq == 0:
+            self._save(self._epoch, self._step_in_epoch)
+
+    def _position(self, epoch: int, step: int) -> tuple[int, int]:
+        """A backup after an epoch's last step resumes at the next epoch.
+
+        (Keras cannot run an epoch without steps; that epoch's validation is
+        not repeated, the weights are the same.)
+        """
+        if step and step == self.params.get("steps"):
+            return epoch + 1, 0
+        return epoch, step
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._save(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        self.model._initial_epoch = None
+        self._uninstall_sigterm_handler()
+        if self._manager is not None:
+            self._manager.close()
+        if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    # State ----------------------------------------------------------------
+
+    def _variables(self) -> dict[str, list]:
+        model = self.model
+        return {
+            "trainable": list(model.trainable_variables),
+            "non_trainable": list(model.non_trainable_variables),
+            "optimizer": list(model.optimizer.variables) if model.optimizer else [],
+            "metrics": list(model.metrics_variables),
+        }
+
+    def _save(self, epoch: int, step: int) -> None:
+        import orbax.checkpoint as ocp
+
+        from keras_dist._keras_compat import sync_state
+        from keras_dist.strategies._base import strategy_of_variable
+
+        sync_state(self.model)
+        epoch, step = self._position(epoch, step)
+        groups = self._variables()
+        state = {name: [v.value for v in vs] for name, vs in groups.items()}
+        strategy = strategy_of_variable(self.model.trainable_variables[0])
+        meta = {
+            "epoch": int(epoch),
+            "step": int(step),
+            "fit_initial_epoch": int(self._fit_initial_epoch),
+            "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
+            "variables": {
+                name: [[v.path, list(v.shape)] for v in vs]
+                for name, vs in groups.items()
+            },
+        }
+        number = int(np.asarray(self.model.optimizer.iterations.value))
+        if number in self._manager.all_steps():
+            self._manager.delete(number)
+        self._manager.save(
+            number,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        self._manager.wait_until_finished()
+
+    def _restore(self) -> None:
+        import orbax.checkpoint as ocp
+
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            return
+        groups = self._variables()
+        abstract = {
+            name: [
+                jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
+                for v in vs
+            ]
+            for name, vs in groups.items()
+        }
+        for number in steps:
+            try:
+                meta = self._manager.restore(
+                    number, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )["meta"]
+                self._check_compatible(meta, groups)
+                state = self._manager.restore(
+                    number,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+                )["state"]
+            except _Incompatible:
+                raise
+            except Exception as error:  # A torn or corrupt backup: try an older one.
+                warnings.warn(
+                    f"BackupAndRestore: the backup of step {number} in "
+                    f"{self.backup_dir} cannot be read ({type(error).__name__}: "
+                    f"{str(error)[:200]}); trying the previous one.",
+                    stacklevel=2,
+                )
+                continue
+            self._apply(groups, state, meta)
+            return
+        raise RuntimeError(
+            f"BackupAndRestore: none of the backups {steps} in {self.backup_dir} "
+            "can be read. Delete the directory to start from scratch."
+        )
+
+    def _check_compatible(self, meta: dict, groups: dict) -> None:
+        for name in _GROUPS:
+            saved = meta["variables"][name]
+            current = [[v.path, list(v.shape)] for v in groups[name]]
+            for (s_path, s_shape), (c_path, c_shape) in zip(
+                saved, current, strict=False
+            ):
+                if s_shape != c_shape:
+                    raise _Incompatible(
+                        f"The backup in {self.backup_dir} does not fit this model: "
+                        f"variable {c_path!r} has shape {tuple(c_shape)} but the "
+                        f"backup's {s_path!r} has shape {tuple(s_shape)}. Resume with "
+                        "the model that wrote the backup, or delete the directory."
+                    )
+            if len(saved) != len(current):
+                raise _Incompatible(
+                    f"The backup in {self.backup_dir} does not fit this model: it "
+                    f"has {len(saved)} {name} variables, the model {len(current)}. "
+                    "Resume with the model that wrote the backup, or delete the "
+                    "directory."
+                )
+
+    def _apply(self, groups: dict, state: dict, meta: dict) -> None:
+        from keras_dist.strategies._base import strategy_of_variable
+
+        for name in _GROUPS:
+            for v, value in zip(groups[name], state[name], strict=True):
+                v.assign(value)
+        epoch, step = meta["epoch"], meta["step"]
+        self.model._initial_epoch = epoch
+        self._epoch, self._step_in_epoch = epoch, step
+        if step:
+            self._resumed_metrics = [np.asarray(v) for v in state["metrics"]]
+        strategy = strategy_of_variable(self.model.trainable_variables[0])
+        passes = epoch - meta["fit_initial_epoch"]
+        if strategy is not None and (passes or step):
+            strategy._resume_plan = ResumePlan(replay_passes=passes, skip_batches=step)
+        if is_chief():
+            print(
+                f"BackupAndRestore: resuming at epoch {epoch + 1}, step {step} "
+                f"(backup of {meta['num_replicas']} replicas).",
+                flush=True,
+            )
+
+    # Preemption -----------------------------------------------------------
+
+    def _install_sigterm_handler(self) -> None:
+        if not self.save_before_preemption:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._preempted.clear()
+        self._previous_handler = signal.signal(
+            signal.SIGTERM, lambda signum, frame: self._preempted.set()
+        )
+
+    def _uninstall_sigterm_handler(self) -> None:
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None
+
+
+class _Incompatible(ValueError):
+    pass

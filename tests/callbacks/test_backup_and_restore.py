@@ -1,0 +1,161 @@
+"""BackupAndRestore: a run killed at any step, restarted, equals an uninterrupted one.
+
+Each run is a real separate process (tests/callbacks/resume_script.py):
+shuffled NumPy data, Dropout, a partial last batch, validation_split, 8
+replicas; killed with SIGKILL or SIGTERM at a chosen global step.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+
+SCRIPT = pathlib.Path(__file__).with_name("resume_script.py")
+pytestmark = pytest.mark.slow
+
+
+def _run(out_dir, **env):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
+    environ.pop("XLA_FLAGS", None)
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(out_dir)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _result(out_dir):
+    weights = np.load(os.path.join(out_dir, "weights.npz"))
+    history = json.loads(pathlib.Path(out_dir, "history.json").read_text())
+    return [
+        weights[k] for k in sorted(weights, key=lambda k: int(k.split("_")[1]))
+    ], history
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = _run(out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _result(out)
+
+
+def _assert_same(reference, out_dir, epochs_resumed, rtol=0.0, atol=0.0):
+    ref_weights, ref_history = reference
+    weights, history = _result(out_dir)
+    for a, b in zip(ref_weights, weights, strict=True):
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol)
+    for key, values in history.items():
+        np.testing.assert_allclose(
+            values,
+            ref_history[key][-epochs_resumed:],
+            rtol=max(rtol, 1e-7),
+            err_msg=key,
+        )
+
+
+@pytest.mark.parametrize("kill_at, epochs_after", [(10, 3), (14, 2), (3, 4)])
+def test_sigkill_then_restart_is_exact(reference, tmp_path, kill_at, epochs_after):
+    # 54 training rows / batch 8 = 7 steps per epoch: step 10 is mid-epoch 2,
+    # step 14 the end of epoch 2, step 3 early in epoch 1.
+    backup = tmp_path / "backup"
+    killed = _run(
+        tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=kill_at, KD_SIGNAL="KILL"
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (tmp_path / "out" / "weights.npz").exists()
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    epoch, step = divmod(kill_at, 7)
+    assert f"resuming at epoch {epoch + 1}, step {step}" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", epochs_after)
+    assert not backup.exists()  # delete_checkpoint=True after completion.
+
+
+def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
+    backup = tmp_path / "backup"
+    preempted = _run(
+        tmp_path / "out",
+        KD_BACKUP=backup,
+        KD_KILL_AT=9,
+        KD_SIGNAL="TERM",
+        KD_SAVE_FREQ="epoch",
+    )
+    assert preempted.returncode == 0, preempted.stderr[-3000:]
+    # SIGTERM arrives after step 9 was handled: saved at the next boundary, 10.
+    assert "preempted (SIGTERM); saved epoch 1 step 3" in preempted.stdout
+    assert "DONE" not in preempted.stdout
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup, KD_SAVE_FREQ="epoch")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at epoch 2, step 3" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 3)
+
+
+def test_corrupt_backup_falls_back_to_the_previous_one(reference, tmp_path):
+    backup = tmp_path / "backup"
+    killed = _run(tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=12, KD_SIGNAL="KILL")
+    assert killed.returncode == -9
+    assert sorted(os.listdir(backup)) == ["11", "12"]
+    for root, _, files in os.walk(backup / "12"):
+        for name in files:  # Tear every file of the newest backup.
+            path = pathlib.Path(root, name)
+            path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "backup of step 12" in resumed.stderr
+        and "trying the previous one" in resumed.stderr
+    )
+    assert "resuming at epoch 2, step 4" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 3)
+
+
+def test_resume_on_another_number_of_replicas(reference, tmp_path):
+    backup = tmp_path / "backup"
+    assert (
+        _run(
+            tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=10, KD_SIGNAL="KILL"
+        ).returncode
+        == -9
+    )
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup, KD_REPLICAS=4)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(backup of 8 replicas)" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 3, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backup_of_another_model_is_refused(tmp_path):
+    backup = tmp_path / "backup"
+    assert (
+        _run(
+            tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=5, KD_SIGNAL="KILL"
+        ).returncode
+        == -9
+    )
+    other = _run(tmp_path / "out", KD_BACKUP=backup, KD_WIDTH=32)
+    assert other.returncode != 0
+    assert "variable 'sequential/dense/kernel' has shape (6, 32)" in other.stderr
+    assert "backup's 'sequential/dense/kernel' has shape (6, 16)" in other.stderr
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="Received: save_freq=0"):
+        kd.callbacks.BackupAndRestore(tmp_path, save_freq=0)
+    with pytest.raises(ValueError, match="Received: save_freq='batch'"):
+        kd.callbacks.BackupAndRestore(tmp_path, save_freq="batch")
+    with pytest.raises(ValueError, match="Received: backup_dir=''"):
+        kd.callbacks.BackupAndRestore("")
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    with pytest.raises(PermissionError, match="Received: backup_dir="):
+        kd.callbacks.BackupAndRestore(blocked / "backup")
