@@ -121,3 +121,27 @@ def test_benchmark_prints_a_table_and_writes_json(tmp_path):
     losses = [row["final_loss"] for row in result["rows"]]
     assert max(losses) - min(losses) < 1e-5 * max(losses)
     assert all(row["examples_per_s"] > 0 for row in result["rows"])
+
+
+@pytest.mark.slow
+def test_seed_keras_tutorial_runs_with_only_the_strategy_lines_changed(tmp_path):
+    out = _run(
+        [
+            "examples/keras_tutorial.py",
+            "--mock",
+            "--epochs",
+            "5",
+            "--workdir",
+            str(tmp_path),
+        ]
+    )
+    assert "Number of devices: 8" in out
+    for epoch, rate in [(1, "0.001"), (3, "0.001"), (4, "1e-04"), (5, "1e-04")]:
+        assert f"Learning rate for epoch {epoch} is {rate}" in out
+    files = [f"ckpt_{e}.weights.h5" for e in range(1, 6)]
+    assert str(sorted(["checkpoint", *files])) in out
+    evals = re.findall(r"^Eval loss: ([\d.]+), Eval [Aa]ccuracy: ([\d.]+)$", out, re.M)
+    assert len(evals) == 3  # Latest checkpoint; loaded without and with the scope.
+    for loss, accuracy in evals[1:]:
+        assert abs(float(loss) - float(evals[0][0])) < 1e-5
+        assert accuracy == evals[0][1]

@@ -13,6 +13,7 @@ optimizer's step counter, so changing the rate never recompiles:
   the first `steps` steps.
 """
 
+import contextlib
 import math
 
 import jax
@@ -20,10 +21,19 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-__all__ = ["ControlledLearningRate", "controlled", "current_learning_rate"]
+__all__ = [
+    "ControlledLearningRate",
+    "controlled",
+    "current_learning_rate",
+    "plain_learning_rate",
+    "release",
+]
 
 
+@keras.saving.register_keras_serializable(package="keras_dist")
 class ControlledLearningRate(keras.optimizers.schedules.LearningRateSchedule):
+    """Installed only while `fit` runs; saved models see a plain float."""
+
     def __init__(self, value: keras.Variable):
         self.value = value
         self.step_fn = None
@@ -41,6 +51,10 @@ class ControlledLearningRate(keras.optimizers.schedules.LearningRateSchedule):
 
     def get_config(self):
         return {"value": float(np.asarray(self.value.value))}
+
+    @classmethod
+    def from_config(cls, config):
+        return float(config["value"])  # A loaded optimizer gets a plain rate.
 
 
 def controlled(model: keras.Model) -> ControlledLearningRate:
@@ -72,9 +86,37 @@ def controlled(model: keras.Model) -> ControlledLearningRate:
     return control
 
 
-def _model_scope(model):
-    import contextlib
+def release(model: keras.Model) -> None:
+    """Puts a plain learning-rate variable back, holding the last rate used.
 
+    Called when `fit` ends, so the optimizer saves, loads and trains on as
+    one built with a float.
+    """
+    optimizer = model.optimizer
+    control = optimizer._learning_rate
+    if not isinstance(control, ControlledLearningRate):
+        return
+    control.value.assign(current_learning_rate(optimizer))
+    optimizer._learning_rate = control.value
+    model.train_function = None
+
+
+@contextlib.contextmanager
+def plain_learning_rate(model: keras.Model):
+    """Within: the optimizer's learning rate is its variable (for saving)."""
+    optimizer = getattr(model, "optimizer", None)
+    control = getattr(optimizer, "_learning_rate", None)
+    if not isinstance(control, ControlledLearningRate):
+        yield
+        return
+    optimizer._learning_rate = control.value
+    try:
+        yield
+    finally:
+        optimizer._learning_rate = control
+
+
+def _model_scope(model):
     from keras_dist.strategies._base import strategy_of_variable
 
     for v in model.trainable_variables:

@@ -12,6 +12,7 @@ from keras_dist.callbacks._lr_control import (
     controlled,
     current_learning_rate,
     is_traceable,
+    release,
 )
 
 __all__ = ["LearningRateScheduler"]
@@ -105,11 +106,7 @@ class LearningRateScheduler(keras.callbacks.Callback):
             logs["learning_rate"] = current_learning_rate(self.model.optimizer)
 
     def on_train_end(self, logs=None):
-        if self._in_step:  # Leave the last rate in place, not the schedule.
-            control = controlled(self.model)
-            control.value.assign(current_learning_rate(self.model.optimizer))
-            control.step_fn = None
-            self.model.train_function = None
+        release(self.model)  # The last rate stays, as a plain variable.
 
 
 def _takes_lr(schedule) -> bool:

@@ -7,6 +7,7 @@ import keras
 
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import atomic_write, check_writable_dir
+from keras_dist.callbacks._lr_control import plain_learning_rate
 
 __all__ = ["ModelCheckpoint", "latest_checkpoint"]
 
@@ -95,7 +96,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         if self.save_weights_only:
             atomic_write(filepath, lambda p: self.model.save_weights(p, overwrite=True))
         else:
-            atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
+            with plain_learning_rate(self.model):  # Loadable without keras_dist.
+                atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
         self._record(filepath)

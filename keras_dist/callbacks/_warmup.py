@@ -7,7 +7,7 @@ import keras
 from keras_dist.callbacks._lr_control import (
     check_rate,
     controlled,
-    current_learning_rate,
+    release,
 )
 
 __all__ = ["LearningRateWarmup"]
@@ -107,7 +107,4 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.model.make_train_function(force=True)
 
     def on_train_end(self, logs=None):
-        control = controlled(self.model)
-        control.value.assign(current_learning_rate(self.model.optimizer))
-        control.warmup = None
-        self.model.train_function = None
+        release(self.model)  # The last rate stays, as a plain variable.

@@ -220,3 +220,34 @@ def test_keras_tensorboard_and_csvlogger_work_under_a_strategy(tmp_path):
         if "tfevents" in f
     ]
     assert len(events) >= 2  # train and validation writers.
+
+
+def test_full_checkpoints_load_without_keras_dist(tmp_path):
+    """A .keras written mid-training under an LR schedule loads in plain Keras."""
+    model = build_in_scope(mirrored(4), initial_weights())
+    model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+        callbacks=[
+            kd.callbacks.LearningRateScheduler(lambda e: 0.01 / (e + 1)),
+            kd.callbacks.ModelCheckpoint(tmp_path / "m_{epoch}.keras"),
+        ],
+    )
+    script = textwrap.dedent(f"""
+        import os, sys
+        os.environ["KERAS_BACKEND"] = "jax"
+        import keras
+        model = keras.models.load_model({str(tmp_path / "m_2.keras")!r})
+        assert "keras_dist" not in sys.modules
+        print(float(model.optimizer.learning_rate))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert abs(float(result.stdout.strip()) - 0.005) < 1e-6
+    # After fit the optimizer is plain again: its config has a float rate.
+    assert model.optimizer.get_config()["learning_rate"] == pytest.approx(0.005)
