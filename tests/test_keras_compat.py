@@ -92,3 +92,25 @@ def test_plain_keras_distribution_still_fails_on_a_partial_batch():
             raise AssertionError(
                 "Keras now handles partial batches itself: revisit the padding seam"
             )
+
+
+def test_callback_seams_exist():
+    """Callbacks rely on these private names of Keras 3.15."""
+    from keras.src.backend.jax import trainer
+    from keras.src.trainers import epoch_iterator
+
+    checkpoint = keras.callbacks.ModelCheckpoint
+    for name, params in {
+        "_save_model": ["self", "epoch", "batch", "logs"],
+        "_get_file_path": ["self", "epoch", "batch", "logs"],
+        "_should_save_model": ["self", "epoch", "batch", "logs", "filepath"],
+    }.items():
+        assert list(inspect.signature(getattr(checkpoint, name)).parameters) == params
+    assert "jax_state_sync" in vars(trainer.JAXTrainer)
+    source = inspect.getsource(trainer.JAXTrainer.fit)
+    for attribute in ("_jax_state_synced", "_jax_state", "_initial_epoch"):
+        assert attribute in source, attribute
+    assert "_steps_seen" in inspect.getsource(epoch_iterator.EpochIterator)
+    optimizer = keras.optimizers.Adam(0.1)
+    assert isinstance(optimizer._learning_rate, keras.Variable)
+    assert hasattr(optimizer, "_track_variable")
