@@ -263,3 +263,18 @@ def test_bad_input():
             )
         assert "at epoch 0" in str(info.value)
         model.fit(X, Y, batch_size=8, epochs=1, verbose=0)  # Still usable.
+
+
+def test_print_lr_with_a_schedule_built_optimizer(capsys):
+    schedule = keras.optimizers.schedules.ExponentialDecay(
+        0.1, decay_steps=5, decay_rate=0.5
+    )
+    model = _model(mirrored(8), keras.optimizers.SGD(schedule))
+    history = model.fit(
+        X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[kd.callbacks.PrintLR()]
+    )
+    # The last step of epoch 1 is step 4, of epoch 2 step 9.
+    expected = [float(schedule(4)), float(schedule(9))]
+    np.testing.assert_allclose(history.history["learning_rate"], expected, rtol=1e-6)
+    out = capsys.readouterr().out
+    assert f"Learning rate for epoch 2 is {np.float32(expected[1])}" in out
