@@ -277,4 +277,4 @@ def test_print_lr_with_a_schedule_built_optimizer(capsys):
     expected = [float(schedule(4)), float(schedule(9))]
     np.testing.assert_allclose(history.history["learning_rate"], expected, rtol=1e-6)
     out = capsys.readouterr().out
-    assert f"Learning rate for epoch 2 is {str(np.float32(expected[1]))}" in out
+    assert f"Learning rate for epoch 2 is {np.float32(expected[1])!s}" in out
