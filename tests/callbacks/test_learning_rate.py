@@ -13,6 +13,12 @@ Y = (X[:, 0] > 0).astype("int32")
 STEPS = 5  # 40 rows / global batch 8.
 
 
+def _fit(model, epochs, *callbacks, batch_size=8):
+    return model.fit(
+        X, Y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=list(callbacks)
+    )
+
+
 def decay(epoch):  # The seeds' schedule.
     if epoch < 3:
         return 1e-3
@@ -127,17 +133,12 @@ def test_per_step_traceable_schedule_on_a_schedule_built_optimizer(kind, capsys)
     )
     model = _model(mirrored(8), optimizer)
     rates, record = _lr_per_step(model)
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.LearningRateScheduler(schedule, per="step"),
-            kd.callbacks.PrintLR(),
-            record,
-        ],
+    _fit(
+        model,
+        2,
+        kd.callbacks.LearningRateScheduler(schedule, per="step"),
+        kd.callbacks.PrintLR(),
+        record,
     )
     np.testing.assert_allclose(rates, [1 - s / 10 for s in range(10)], atol=1e-6)
     out = capsys.readouterr().out
@@ -148,18 +149,13 @@ def test_per_step_traceable_schedule_on_a_schedule_built_optimizer(kind, capsys)
 def test_per_step_python_schedule():
     model = _model(mirrored(2), keras.optimizers.SGD(0.1))
     rates, record = _lr_per_step(model)
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.LearningRateScheduler(
-                lambda step: 0.1 if step < 7 else 0.01, per="step"
-            ),
-            record,
-        ],
+    _fit(
+        model,
+        2,
+        kd.callbacks.LearningRateScheduler(
+            lambda step: 0.1 if step < 7 else 0.01, per="step"
+        ),
+        record,
     )
     np.testing.assert_allclose(rates, [0.1] * 7 + [0.01] * 3, rtol=1e-6)
 
@@ -188,17 +184,12 @@ def test_no_recompilation_per_change():
 def test_warmup_linear_scaling_rule(capsys):
     model = _model(mirrored(8), keras.optimizers.SGD(0.1))
     rates, record = _lr_per_step(model)
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=3,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.LearningRateWarmup(0.1, warmup_epochs=1),
-            record,
-            kd.callbacks.PrintLR(),
-        ],
+    _fit(
+        model,
+        3,
+        kd.callbacks.LearningRateWarmup(0.1, warmup_epochs=1),
+        record,
+        kd.callbacks.PrintLR(),
     )
     # 8 replicas: target 0.8, reached by a per-step ramp over 1 epoch (5 steps).
     np.testing.assert_allclose(
@@ -211,21 +202,16 @@ def test_warmup_linear_scaling_rule(capsys):
 def test_warmup_with_base_batch_size_sqrt_and_a_scheduler_after():
     model = _model(mirrored(4), keras.optimizers.SGD(0.1))
     rates, record = _lr_per_step(model)
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=3,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.LearningRateWarmup(
-                0.1, warmup_epochs=1, scale="sqrt", base_batch_size=2
-            ),
-            kd.callbacks.LearningRateScheduler(
-                lambda epoch, lr: lr if epoch < 2 else lr / 10
-            ),
-            record,
-        ],
+    _fit(
+        model,
+        3,
+        kd.callbacks.LearningRateWarmup(
+            0.1, warmup_epochs=1, scale="sqrt", base_batch_size=2
+        ),
+        kd.callbacks.LearningRateScheduler(
+            lambda epoch, lr: lr if epoch < 2 else lr / 10
+        ),
+        record,
     )
     target = 0.1 * np.sqrt(8 / 2)
     np.testing.assert_allclose(

@@ -22,6 +22,18 @@ from tests._helpers import (
 X, Y, _ = make_data(45)
 
 
+def _fit(model, epochs, *callbacks, **kwargs):
+    return model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=epochs,
+        verbose=0,
+        callbacks=list(callbacks),
+        **kwargs,
+    )
+
+
 def test_seed_prefix_files_and_latest_checkpoint(tmp_path):
     strategy = mirrored(8)
     model = build_in_scope(strategy, initial_weights())
@@ -79,19 +91,14 @@ def test_full_model_best_only_and_max_to_keep(tmp_path):
 
 def test_integer_save_freq(tmp_path):
     model = build_in_scope(mirrored(2), initial_weights())
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.ModelCheckpoint(
-                tmp_path / "s_{epoch}_{batch}.weights.h5",
-                save_weights_only=True,
-                save_freq=4,
-            )
-        ],
+    _fit(
+        model,
+        2,
+        kd.callbacks.ModelCheckpoint(
+            tmp_path / "s_{epoch}_{batch}.weights.h5",
+            save_weights_only=True,
+            save_freq=4,
+        ),
     )
     # 6 steps per epoch (45 / 8): saves after steps 4, 8 (=epoch 2 batch 2), 12.
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".h5")) == [
@@ -106,17 +113,12 @@ def test_only_the_chief_writes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_model_checkpoint, "is_chief", lambda: False)
     model = build_in_scope(mirrored(2), initial_weights())
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.ModelCheckpoint(
-                tmp_path / "c_{epoch}.weights.h5", save_weights_only=True
-            )
-        ],
+    _fit(
+        model,
+        2,
+        kd.callbacks.ModelCheckpoint(
+            tmp_path / "c_{epoch}.weights.h5", save_weights_only=True
+        ),
     )
     assert os.listdir(tmp_path) == []
 
@@ -225,16 +227,11 @@ def test_keras_tensorboard_and_csvlogger_work_under_a_strategy(tmp_path):
 def test_full_checkpoints_load_without_keras_dist(tmp_path):
     """A .keras written mid-training under an LR schedule loads in plain Keras."""
     model = build_in_scope(mirrored(4), initial_weights())
-    model.fit(
-        X,
-        Y,
-        batch_size=8,
-        epochs=2,
-        verbose=0,
-        callbacks=[
-            kd.callbacks.LearningRateScheduler(lambda e: 0.01 / (e + 1)),
-            kd.callbacks.ModelCheckpoint(tmp_path / "m_{epoch}.keras"),
-        ],
+    _fit(
+        model,
+        2,
+        kd.callbacks.LearningRateScheduler(lambda e: 0.01 / (e + 1)),
+        kd.callbacks.ModelCheckpoint(tmp_path / "m_{epoch}.keras"),
     )
     script = textwrap.dedent(f"""
         import os, sys
