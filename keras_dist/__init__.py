@@ -14,7 +14,7 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import callbacks, errors, losses  # noqa: E402
+from keras_dist import callbacks, cluster, errors, losses  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     MirroredStrategy,
@@ -39,6 +39,7 @@ __all__ = [
     "Strategy",
     "__version__",
     "callbacks",
+    "cluster",
     "errors",
     "get_replica_context",
     "losses",

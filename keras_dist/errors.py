@@ -5,7 +5,12 @@ Each one subclasses the builtin a caller would naturally catch, so
 keras_dist's own diagnoses apart.
 """
 
-__all__ = ["DeviceNotFoundError", "StrategyMismatchError"]
+__all__ = [
+    "ClusterConfigError",
+    "ClusterTimeoutError",
+    "DeviceNotFoundError",
+    "StrategyMismatchError",
+]
 
 
 class DeviceNotFoundError(ValueError):
@@ -14,3 +19,11 @@ class DeviceNotFoundError(ValueError):
 
 class StrategyMismatchError(RuntimeError):
     """Two strategies, or a strategy and a model's variables, disagree."""
+
+
+class ClusterConfigError(ValueError):
+    """A cluster description (TF_CONFIG, SLURM, arguments) is wrong."""
+
+
+class ClusterTimeoutError(TimeoutError):
+    """A peer or the coordinator did not answer within the timeout."""

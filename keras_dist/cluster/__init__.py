@@ -1,0 +1,16 @@
+"""The cluster layer: who am I, and joining the JAX multi-controller runtime."""
+
+from keras_dist.cluster._environment import SlurmClusterResolver, resolve
+from keras_dist.cluster._initialize import initialize, is_initialized
+from keras_dist.cluster._resolver import ClusterResolver, SimpleClusterResolver
+from keras_dist.cluster._tf_config import TFConfigClusterResolver
+
+__all__ = [
+    "ClusterResolver",
+    "SimpleClusterResolver",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "initialize",
+    "is_initialized",
+    "resolve",
+]

@@ -1,0 +1,161 @@
+"""`initialize`: the only caller of `jax.distributed.initialize`."""
+
+import os
+import socket
+import sys
+import time
+
+import jax
+
+from keras_dist.cluster._environment import check_address, resolve
+from keras_dist.cluster._resolver import ClusterResolver, parse_address
+from keras_dist.errors import ClusterTimeoutError
+
+__all__ = ["initialize", "is_initialized"]
+
+_STATE: dict = {}
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a multi-process JAX cluster."""
+    return bool(_STATE.get("joined")) or jax.process_count() > 1
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:
+        return False
+
+
+def _exit_fast_on_errors() -> None:
+    """An uncaught exception ends the process at once, with status 1.
+
+    After `jax.distributed.initialize`, a normal interpreter exit waits (up
+    to 300 s) at a shutdown barrier for every peer; a process that failed
+    must not wait for peers that will never get there. The launcher (or the
+    cluster scheduler) then sees the failure and stops the others.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        previous(kind, value, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _wait_for_coordinator(resolver: ClusterResolver, timeout: float) -> float:
+    """Waits until the coordinator accepts TCP connections; returns time left.
+
+    JAX aborts the whole process (no Python exception) when the coordinator
+    cannot be reached, so a process other than the coordinator checks first
+    and fails with an error naming the address instead.
+
+    Raises:
+        ClusterTimeoutError: if the coordinator does not answer within `timeout`.
+    """
+    start = time.monotonic()
+    if resolver.process_id == 0 or resolver.coordinator_address is None:
+        return timeout
+    host, port = parse_address(resolver.coordinator_address, where="the coordinator")
+    host = host.strip("[]")
+    last_error = None
+    while time.monotonic() - start < timeout:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return max(1.0, timeout - (time.monotonic() - start))
+        except OSError as error:
+            last_error = error
+            time.sleep(0.2)
+    raise ClusterTimeoutError(
+        f"The coordinator {resolver.coordinator_address} did not answer within "
+        f"{timeout:g} s ({last_error}); this process is {resolver.describe()}. "
+        "Start process 0 first (or together), check the address and port, and "
+        "that no firewall blocks it."
+    )
+
+
+def initialize(
+    resolver: ClusterResolver | None = None, *, timeout: float = 300.0
+) -> ClusterResolver:
+    """Joins this process to its JAX cluster (once), after printing the topology.
+
+    Resolves the cluster (`resolve`: explicit > TF_CONFIG > SLURM >
+    keras-dist-run > JAX's detection > single process). With one process it
+    does nothing. Otherwise it selects the gloo collectives on CPU, prints
+    `process / count / coordinator / local devices`, and calls
+    `jax.distributed.initialize` with `timeout`.
+
+    Args:
+        resolver: the cluster; defaults to auto-detection.
+        timeout: seconds to wait for the coordinator and every peer.
+
+    Returns:
+        The resolved cluster.
+
+    Raises:
+        ClusterTimeoutError: if the coordinator or a peer does not answer
+            within `timeout` (names the address).
+        RuntimeError: if JAX already started its devices in this process
+            before the cluster was joined.
+    """
+    if "resolver" in _STATE:
+        return _STATE["resolver"]
+    resolver = resolve(resolver)
+    check_address(resolver)
+    if resolver.num_processes == 1:
+        _STATE["resolver"] = resolver
+        return resolver
+    if resolver.process_id is None and resolver.source != "jax":
+        raise RuntimeError(
+            f"This process ({resolver.task_type}:{resolver.task_id}) is not part of "
+            "the training cluster (TF_CONFIG evaluator); it cannot join it. Run "
+            "evaluation without a multi-worker strategy."
+        )
+    if _backend_started():
+        raise RuntimeError(
+            "JAX already started its devices in this process, so it can no longer "
+            "join a cluster. Create the strategy (or call "
+            "`kd.cluster.initialize()`) before any other JAX or Keras computation."
+        )
+    local = jax.config.jax_platforms or "default backend"
+    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(local):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    print(
+        f"keras_dist: joining as {resolver.describe()}; waiting up to {timeout:g} s "
+        "for all processes.",
+        file=sys.stderr,
+        flush=True,
+    )
+    timeout = _wait_for_coordinator(resolver, timeout)
+    kwargs = {}
+    if resolver.source != "jax":
+        kwargs = {
+            "coordinator_address": resolver.coordinator_address,
+            "num_processes": resolver.num_processes,
+            "process_id": resolver.process_id,
+        }
+    try:
+        jax.distributed.initialize(initialization_timeout=int(timeout), **kwargs)
+    except Exception as error:  # JAX raises several types for this.
+        raise ClusterTimeoutError(
+            f"Could not join the cluster at coordinator {resolver.coordinator_address} "
+            f"as {resolver.describe()} within {timeout:g} s: {error}. Check that "
+            "every process started with the same cluster description and that the "
+            "coordinator address is reachable from this host."
+        ) from error
+    _STATE.update(resolver=resolver, joined=True)
+    _exit_fast_on_errors()
+    print(
+        f"keras_dist: joined: process {jax.process_index()} of {jax.process_count()}, "
+        f"{jax.local_device_count()} local / {jax.device_count()} global "
+        f"{jax.devices()[0].platform} devices.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return resolver

@@ -1,0 +1,118 @@
+"""`ClusterResolver`: who is in the JAX cluster, and who am I."""
+
+import dataclasses
+import re
+
+from keras_dist.errors import ClusterConfigError
+
+__all__ = ["ClusterResolver", "SimpleClusterResolver", "parse_address"]
+
+_ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[^:]+)$")
+
+
+def parse_address(address, *, where: str) -> tuple[str, int]:
+    """`"host:port"` -> `(host, port)`; errors quote `where` and the address.
+
+    Raises:
+        ClusterConfigError: if `address` is not `host:port` with a port in 1..65535.
+    """
+    if not isinstance(address, str):
+        raise ClusterConfigError(
+            f'{where} must be a "host:port" string. Received: {address!r}.'
+        )
+    match = _ADDRESS.match(address.strip())
+    if not match:
+        raise ClusterConfigError(
+            f'{where} must be "host:port", e.g. "10.0.0.1:12345". Received: '
+            f"{address!r}."
+        )
+    port = match["port"]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterConfigError(
+            f"{where} has a port that is not a number in 1..65535: {port!r} in "
+            f"{address!r}."
+        )
+    return match["host"], int(port)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterResolver:
+    """A resolved cluster: the JAX processes and this process's place in it.
+
+    Attributes:
+        coordinator_address: `"host:port"` of process 0, where JAX's
+            coordination service listens.
+        num_processes: JAX processes taking part in training.
+        process_id: this process's index, `0 ... num_processes - 1`, or `None`
+            for a process outside training (a TF_CONFIG `evaluator`).
+        task_type: the role, as tf.distribute names it (`"worker"`, `"chief"`,
+            `"evaluator"`, `"ps"`).
+        task_id: the index within the role.
+        source: where this came from (`"TF_CONFIG"`, `"SLURM"`, ...).
+        cluster_spec: role -> list of addresses, when known.
+    """
+
+    coordinator_address: str | None
+    num_processes: int
+    process_id: int | None
+    task_type: str = "worker"
+    task_id: int = 0
+    source: str = "explicit"
+    cluster_spec: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_chief(self) -> bool:
+        """The process that writes files and prints: process 0."""
+        return self.process_id == 0
+
+    @property
+    def has_parameter_servers(self) -> bool:
+        return bool(self.cluster_spec.get("ps"))
+
+    def describe(self) -> str:
+        return (
+            f"process {self.process_id} of {self.num_processes} "
+            f"({self.task_type}:{self.task_id}, from {self.source}), coordinator "
+            f"{self.coordinator_address}"
+        )
+
+
+def SimpleClusterResolver(
+    coordinator_address: str, num_processes: int, process_id: int
+) -> ClusterResolver:
+    """A cluster given explicitly, like tf.distribute's `SimpleClusterResolver`.
+
+    Args:
+        coordinator_address: `"host:port"` of process 0.
+        num_processes: number of processes (>= 1).
+        process_id: this process's index in `0 ... num_processes - 1`.
+
+    Raises:
+        ClusterConfigError: for a bad address, count or index.
+    """
+    parse_address(coordinator_address, where="`coordinator_address`")
+    if (
+        isinstance(num_processes, bool)
+        or not isinstance(num_processes, int)
+        or (num_processes < 1)
+    ):
+        raise ClusterConfigError(
+            "`num_processes` must be an int >= 1. Received: "
+            f"num_processes={num_processes!r}."
+        )
+    if (
+        isinstance(process_id, bool)
+        or not isinstance(process_id, int)
+        or not (0 <= process_id < num_processes)
+    ):
+        raise ClusterConfigError(
+            f"`process_id` must be in [0, {num_processes}). Received: "
+            f"process_id={process_id!r}."
+        )
+    return ClusterResolver(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        task_id=process_id,
+        source="explicit",
+    )

@@ -1,0 +1,187 @@
+"""`keras-dist-run`: start N local processes as one JAX cluster.
+
+    keras-dist-run -n 2 [--devices-per-process 4] train.py --epochs 3
+    python -m keras_dist.launch -n 2 train.py
+
+Each process gets `KERAS_DIST_COORDINATOR` (a free loopback port),
+`KERAS_DIST_NUM_PROCESSES` and `KERAS_DIST_PROCESS_ID`, which
+`kd.cluster.initialize()` (and so `MultiWorkerMirroredStrategy()`) reads.
+Output lines are prefixed with the rank. SIGINT/SIGTERM are forwarded. If a
+process exits with a non-zero status, the others are stopped (SIGTERM, then
+SIGKILL after a grace period: JAX ignores SIGTERM once it joined a cluster)
+and the launcher exits with that status — within 30 s, never hanging.
+"""
+
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+GRACE_SECONDS = 10.0
+POLL_SECONDS = 0.05
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-dist-run",
+        description="Start N local processes as one JAX cluster (loopback only).",
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="virtual CPU devices per process (XLA_FLAGS); default: leave as is",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="coordinator port on 127.0.0.1 (default: a free one)",
+    )
+    parser.add_argument("script", help="the Python script to run in every process")
+    parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="arguments passed to the script"
+    )
+    return parser
+
+
+def _environment(rank: int, n: int, port: int, devices: int | None) -> dict:
+    env = dict(os.environ)
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS"):
+        env.pop(name, None)  # The launcher's cluster wins.
+    env.update(
+        KERAS_DIST_COORDINATOR=f"127.0.0.1:{port}",
+        KERAS_DIST_NUM_PROCESSES=str(n),
+        KERAS_DIST_PROCESS_ID=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
+    if devices is not None:
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if "xla_force_host_platform_device_count" not in f
+        ]
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def _pump(rank: int, stream, sink) -> None:
+    for line in iter(stream.readline, ""):
+        sink.write(f"[{rank}] {line}")
+        sink.flush()
+    stream.close()
+
+
+class _Cluster:
+    def __init__(self, args):
+        self.n = args.num_processes
+        port = args.port or free_port()
+        command = [sys.executable, args.script, *args.args]
+        self.processes: list[subprocess.Popen] = []
+        self.pumps: list[threading.Thread] = []
+        for rank in range(self.n):
+            process = subprocess.Popen(
+                command,
+                env=_environment(rank, self.n, port, args.devices_per_process),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # Its own group: we stop all it spawns.
+            )
+            self.processes.append(process)
+            for stream, sink in (
+                (process.stdout, sys.stdout),
+                (process.stderr, sys.stderr),
+            ):
+                pump = threading.Thread(
+                    target=_pump, args=(rank, stream, sink), daemon=True
+                )
+                pump.start()
+                self.pumps.append(pump)
+        self.interrupted: int | None = None
+
+    def signal_all(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signum)
+
+    def stop(self) -> None:
+        """SIGTERM everyone still running, then SIGKILL after the grace period."""
+        self.signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while time.monotonic() < deadline and any(
+            p.poll() is None for p in self.processes
+        ):
+            time.sleep(POLL_SECONDS)
+        self.signal_all(signal.SIGKILL)
+        for process in self.processes:
+            process.wait(timeout=10)
+
+    def run(self) -> int:
+        while True:
+            if self.interrupted is not None:
+                self.stop()
+                return 128 + self.interrupted
+            codes = [p.poll() for p in self.processes]
+            failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                print(
+                    f"keras-dist-run: process {rank} exited with status {code}; "
+                    f"stopping the other {sum(c is None for c in codes)}.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.stop()
+                return code if code > 0 else 128 - code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(POLL_SECONDS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.num_processes < 1:
+        _parser().error(f"-n must be >= 1. Received: -n {args.num_processes}.")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        _parser().error(
+            f"--devices-per-process must be >= 1. Received: {args.devices_per_process}."
+        )
+    if not os.path.exists(args.script):
+        _parser().error(f"script not found: {args.script!r}.")
+    cluster = _Cluster(args)
+
+    def forward(signum, frame):
+        cluster.interrupted = signum
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = cluster.run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for pump in cluster.pumps:
+            pump.join(timeout=5)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

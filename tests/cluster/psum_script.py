@@ -1,0 +1,41 @@
+"""A process of a keras-dist-run cluster: joins, then sums over all devices.
+
+Env: KD_FAIL_RANK makes that rank raise an exception after joining;
+KD_HANG_RANK makes that rank ignore SIGTERM and sleep (the launcher must
+SIGKILL it).
+"""
+
+import os
+import signal
+import time
+
+import numpy as np
+
+import keras_dist as kd
+
+resolver = kd.cluster.initialize(timeout=60)
+
+import jax  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+rank = jax.process_index()
+mesh = Mesh(np.array(jax.devices()), ("batch",))
+local = np.full((jax.local_device_count(),), rank + 1.0, dtype="float32")
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, PartitionSpec("batch")), local
+)
+total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))(
+    x
+)
+print(
+    f"rank {rank} of {jax.process_count()}: {jax.device_count()} devices, "
+    f"sum {float(total):g}, chief {resolver.is_chief}, source {resolver.source}",
+    flush=True,
+)
+if os.environ.get("KD_FAIL_RANK") == str(rank):
+    raise RuntimeError("failing on purpose")
+if os.environ.get("KD_HANG_RANK") == str(rank):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+if os.environ.get("KD_FAIL_RANK") or os.environ.get("KD_HANG_RANK"):
+    time.sleep(600)  # The healthy ranks wait; the launcher must stop them.

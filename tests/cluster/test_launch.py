@@ -1,0 +1,96 @@
+"""keras-dist-run and initialize with real local processes (gloo on CPU)."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from keras_dist.launch import free_port
+
+SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
+pytestmark = pytest.mark.slow
+
+
+def _launch(*args, env=None, timeout=120):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update(env or {})
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dist.launch", *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return result, time.monotonic() - start
+
+
+def test_two_processes_form_one_cluster():
+    result, _ = _launch("-n", "2", "--devices-per-process", "4", str(SCRIPT))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    # Every process sees 8 devices and the global sum 4 x 1 + 4 x 2.
+    assert (
+        "[0] rank 0 of 2: 8 devices, sum 12, chief True, source keras-dist-run" in out
+    )
+    assert (
+        "[1] rank 1 of 2: 8 devices, sum 12, chief False, source keras-dist-run" in out
+    )
+    assert "[0] keras_dist: joining as process 0 of 2" in result.stderr
+
+
+def test_a_failing_process_stops_the_others_quickly():
+    # Rank 1 raises; rank 0 ignores SIGTERM and sleeps: it must be SIGKILLed.
+    start = time.monotonic()
+    result, elapsed = _launch(
+        "-n",
+        "2",
+        "--devices-per-process",
+        "2",
+        str(SCRIPT),
+        env={"KD_FAIL_RANK": "1", "KD_HANG_RANK": "0"},
+    )
+    assert result.returncode == 1
+    assert "keras-dist-run: process 1 exited with status 1; stopping the other 1." in (
+        result.stderr
+    )
+    assert "[1] RuntimeError: failing on purpose" in result.stderr
+    failed_at = result.stdout.count("rank 1 of 2")  # It did run before failing.
+    assert failed_at == 1
+    assert elapsed < 60 and time.monotonic() - start < 60  # ~10 s start + 10 s grace.
+
+
+def test_unreachable_coordinator_fails_within_the_timeout():
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import keras_dist as kd
+        r = kd.cluster.SimpleClusterResolver("127.0.0.1:{port}", 2, 1)
+        kd.cluster.initialize(r, timeout=5)
+    """)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "ClusterTimeoutError" in result.stderr
+    assert f"coordinator 127.0.0.1:{port}" in result.stderr
+    assert "within 5 s" in result.stderr
+    assert elapsed < 60
+
+
+def test_launcher_bad_arguments(tmp_path):
+    result, _ = _launch("-n", "0", str(SCRIPT))
+    assert result.returncode == 2 and "-n must be >= 1" in result.stderr
+    result, _ = _launch("-n", "2", str(tmp_path / "missing.py"))
+    assert result.returncode == 2 and "script not found" in result.stderr
