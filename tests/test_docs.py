@@ -50,8 +50,10 @@ def test_ci_runs_the_readme_test_command():
     text = (ROOT / "README.md").read_text()
     test_command = re.findall(r"```bash\n(.*?)```", text, flags=re.S)[1].strip()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "README.md" in ci and "sed -n" in ci, "CI must take the command from README"
+    assert f"TEST_COMMAND='{test_command}'" in ci, "CI must run the README command"
+    assert 'grep -qxF "${TEST_COMMAND}" README.md' in ci
     assert test_command.startswith("python3 -m venv .venv")
+    assert test_command.endswith("python -m pytest")
 
 
 def test_readme_quickstart_runs():
