@@ -1,8 +1,8 @@
-"""The private Keras seams of `keras_dist/_keras_compat.py` are still there.
+"""The private Keras seams of `keras_dist/_keras_compat/` are still there.
 
 If this file fails after a Keras upgrade, re-read
 `keras/src/backend/jax/trainer.py` of the new release, adapt
-`_keras_compat.py`, then bump `CHECKED_KERAS` and the pin in pyproject.toml.
+`keras_dist/_keras_compat/`, then bump `CHECKED_KERAS` and the pin in pyproject.toml.
 """
 
 import inspect
@@ -19,7 +19,7 @@ from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 def test_checked_against_the_installed_keras():
     assert _keras_compat.CHECKED_KERAS == "3.15"
     assert keras.__version__.startswith(_keras_compat.CHECKED_KERAS + "."), (
-        f"_keras_compat.py was checked against Keras {_keras_compat.CHECKED_KERAS}.x "
+        f"_keras_compat was checked against Keras {_keras_compat.CHECKED_KERAS}.x "
         f"but Keras {keras.__version__} is installed"
     )
 

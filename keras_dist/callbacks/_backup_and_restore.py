@@ -5,18 +5,15 @@ import os
 import shutil
 import signal
 import threading
-import warnings
 
-import jax
 import keras
 import numpy as np
 
+from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
 
 __all__ = ["BackupAndRestore"]
-
-_GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,21 +106,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
-        self._manager = None
+        self._store = None
         self._preempted = threading.Event()
         self._previous_handler = None
 
     # Life cycle ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        import orbax.checkpoint as ocp
-
-        self._manager = ocp.CheckpointManager(
-            self.backup_dir,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=2, enable_async_checkpointing=False, create=True
-            ),
-        )
+        self._store = BackupStore(self.backup_dir)
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         self._fit_initial_epoch = getattr(self.model, "_keras_dist_initial_epoch", 0)
         self._restore()
@@ -172,129 +162,43 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.model._initial_epoch = None
         self._uninstall_sigterm_handler()
-        if self._manager is not None:
-            self._manager.close()
+        if self._store is not None:
+            self._store.close()
         if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     # State ----------------------------------------------------------------
 
-    def _variables(self) -> dict[str, list]:
-        model = self.model
-        return {
-            "trainable": list(model.trainable_variables),
-            "non_trainable": list(model.non_trainable_variables),
-            "optimizer": list(model.optimizer.variables) if model.optimizer else [],
-            "metrics": list(model.metrics_variables),
-        }
-
     def _save(self, epoch: int, step: int) -> None:
-        import orbax.checkpoint as ocp
-
         from keras_dist._keras_compat import sync_state
-        from keras_dist.strategies._base import strategy_of_variable
+        from keras_dist.strategies._base import strategy_of_model
 
         sync_state(self.model)
         epoch, step = self._position(epoch, step)
-        groups = self._variables()
-        state = {name: [v.value for v in vs] for name, vs in groups.items()}
-        strategy = strategy_of_variable(self.model.trainable_variables[0])
-        meta = {
-            "epoch": int(epoch),
-            "step": int(step),
-            "fit_initial_epoch": int(self._fit_initial_epoch),
-            "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
-            "variables": {
-                name: [[v.path, list(v.shape)] for v in vs]
-                for name, vs in groups.items()
+        strategy = strategy_of_model(self.model)
+        self._store.save(
+            self.model,
+            int(np.asarray(self.model.optimizer.iterations.value)),
+            {
+                "epoch": int(epoch),
+                "step": int(step),
+                "fit_initial_epoch": int(self._fit_initial_epoch),
+                "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
             },
-        }
-        number = int(np.asarray(self.model.optimizer.iterations.value))
-        if number in self._manager.all_steps():
-            self._manager.delete(number)
-        self._manager.save(
-            number,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
-            ),
         )
-        self._manager.wait_until_finished()
 
     def _restore(self) -> None:
-        import orbax.checkpoint as ocp
+        from keras_dist.strategies._base import strategy_of_model
 
-        steps = sorted(self._manager.all_steps(), reverse=True)
-        if not steps:
+        meta = self._store.restore(self.model)
+        if meta is None:
             return
-        groups = self._variables()
-        abstract = {
-            name: [
-                jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
-                for v in vs
-            ]
-            for name, vs in groups.items()
-        }
-        for number in steps:
-            try:
-                meta = self._manager.restore(
-                    number, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-                )["meta"]
-                self._check_compatible(meta, groups)
-                state = self._manager.restore(
-                    number,
-                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
-                )["state"]
-            except _Incompatible:
-                raise
-            except Exception as error:  # A torn or corrupt backup: try an older one.
-                warnings.warn(
-                    f"BackupAndRestore: the backup of step {number} in "
-                    f"{self.backup_dir} cannot be read ({type(error).__name__}: "
-                    f"{str(error)[:200]}); trying the previous one.",
-                    stacklevel=2,
-                )
-                continue
-            self._apply(groups, state, meta)
-            return
-        raise RuntimeError(
-            f"BackupAndRestore: none of the backups {steps} in {self.backup_dir} "
-            "can be read. Delete the directory to start from scratch."
-        )
-
-    def _check_compatible(self, meta: dict, groups: dict) -> None:
-        for name in _GROUPS:
-            saved = meta["variables"][name]
-            current = [[v.path, list(v.shape)] for v in groups[name]]
-            for (s_path, s_shape), (c_path, c_shape) in zip(
-                saved, current, strict=False
-            ):
-                if s_shape != c_shape:
-                    raise _Incompatible(
-                        f"The backup in {self.backup_dir} does not fit this model: "
-                        f"variable {c_path!r} has shape {tuple(c_shape)} but the "
-                        f"backup's {s_path!r} has shape {tuple(s_shape)}. Resume with "
-                        "the model that wrote the backup, or delete the directory."
-                    )
-            if len(saved) != len(current):
-                raise _Incompatible(
-                    f"The backup in {self.backup_dir} does not fit this model: it "
-                    f"has {len(saved)} {name} variables, the model {len(current)}. "
-                    "Resume with the model that wrote the backup, or delete the "
-                    "directory."
-                )
-
-    def _apply(self, groups: dict, state: dict, meta: dict) -> None:
-        from keras_dist.strategies._base import strategy_of_variable
-
-        for name in _GROUPS:
-            for v, value in zip(groups[name], state[name], strict=True):
-                v.assign(value)
         epoch, step = meta["epoch"], meta["step"]
         self.model._initial_epoch = epoch
         self._epoch, self._step_in_epoch = epoch, step
         if step:
-            self._resumed_metrics = [np.asarray(v) for v in state["metrics"]]
-        strategy = strategy_of_variable(self.model.trainable_variables[0])
+            self._resumed_metrics = meta["metrics_values"]
+        strategy = strategy_of_model(self.model)
         passes = epoch - meta["fit_initial_epoch"]
         if strategy is not None and (passes or step):
             strategy._resume_plan = ResumePlan(replay_passes=passes, skip_batches=step)
@@ -321,7 +225,3 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
-
-
-class _Incompatible(ValueError):
-    pass

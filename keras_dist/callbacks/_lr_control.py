@@ -117,12 +117,11 @@ def plain_learning_rate(model: keras.Model):
 
 
 def _model_scope(model):
-    from keras_dist.strategies._base import strategy_of_variable
+    from keras_dist.strategies._base import strategy_of_model
 
-    for v in model.trainable_variables:
-        strategy = strategy_of_variable(v)
-        if strategy is not None and keras.distribution.distribution() is None:
-            return strategy.scope()
+    strategy = strategy_of_model(model)
+    if strategy is not None and keras.distribution.distribution() is None:
+        return strategy.scope()
     return contextlib.nullcontext()
 
 

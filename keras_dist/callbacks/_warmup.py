@@ -75,11 +75,11 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.target_lr: float | None = None
 
     def _factor(self) -> float:
-        from keras_dist.strategies._base import strategy_of_variable
+        from keras_dist.strategies._base import strategy_of_model
 
         if self.scale is None:
             return 1.0
-        strategy = strategy_of_variable(self.model.trainable_variables[0])
+        strategy = strategy_of_model(self.model)
         if self.base_batch_size is None:
             k = strategy.num_replicas_in_sync if strategy is not None else 1
         else:

@@ -26,18 +26,29 @@ class BatchSignature:
 
     def __init__(self, source: str):
         self._source = source
+        self._key = None
         self._first = None
 
     def check(self, batch: Any, index: int) -> None:
         """Raises ValueError if `batch` (the `index`-th) differs from the first."""
+        # Runs for every batch: compare a cheap key; describe only on mismatch.
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (treedef, tuple(_describe(leaf) for leaf in leaves))
+        if self._key is None:
+            self._key, self._first = key, self._signature(batch)
+            return
+        if key != self._key:
+            self._explain(self._signature(batch), index)
+
+    @staticmethod
+    def _signature(batch: Any) -> tuple:
         paths = jax.tree_util.tree_flatten_with_path(batch)[0]
-        signature = tuple(
+        return tuple(
             (jax.tree_util.keystr(path), *_describe(leaf), np.shape(leaf))
             for path, leaf in paths
         )
-        if self._first is None:
-            self._first = signature
-            return
+
+    def _explain(self, signature: tuple, index: int) -> None:
         first_keys = [s[:3] for s in self._first]
         keys = [s[:3] for s in signature]
         if first_keys == keys:

@@ -1,7 +1,6 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -15,18 +14,16 @@ from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputContext
 from keras_dist.data._partial_batch import mark_padded, pad_batch, pad_rows
 from keras_dist.errors import StrategyMismatchError
-from keras_dist.strategies import _cross_replica, _run
+from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
 from keras_dist.strategies._values import ReduceOp
 
-__all__ = ["Strategy", "strategy_of_variable"]
+__all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
+
+strategy_of_model = _ownership.strategy_of_model
+strategy_of_variable = _ownership.strategy_of_variable
 
 BATCH_AXIS = "batch"
-
-# DeviceMesh -> Strategy, so a variable's layout leads back to its strategy.
-_STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Strategy]" = (
-    weakref.WeakKeyDictionary()
-)
 
 
 class Strategy(keras.distribution.DataParallel):
@@ -47,8 +44,14 @@ class Strategy(keras.distribution.DataParallel):
     def __init__(self, devices: Sequence[jax.Device]):
         _keras_compat.install()
         super().__init__(devices=list(devices))
-        _STRATEGY_OF_MESH[self.device_mesh] = self
+        _ownership.register(self)
         self._run_cache: dict = {}
+        # Computed once: the input path uses them for every batch.
+        self._local_replica_count = sum(
+            d.process_index == jax.process_index() for d in self.devices
+        )
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._data_shardings: dict[int, NamedSharding] = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -202,35 +205,38 @@ class Strategy(keras.distribution.DataParallel):
     # Placement helpers ------------------------------------------------------
 
     def _is_batch_sharded(self, array: jax.Array) -> bool:
+        # Called for every leaf of every `run`: cheap spec test first.
         sharding = getattr(array, "sharding", None)
         if not isinstance(sharding, NamedSharding) or array.ndim == 0:
             return False
-        if sharding.mesh.devices.size != self.num_replicas_in_sync:
+        spec = tuple(sharding.spec)
+        first = spec[0] if spec else None
+        first = first if isinstance(first, tuple) else (first,)
+        if first != (BATCH_AXIS,) or any(s is not None for s in spec[1:]):
             return False
-        if tuple(sharding.mesh.devices.flat) != self.devices:
-            return False
-        spec = tuple(sharding.spec) + (None,) * array.ndim
-        first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-        return tuple(first) == (BATCH_AXIS,) and all(s is None for s in spec[1:])
+        return sharding.mesh is self.mesh or sharding.mesh == self.mesh
 
     def _replicate(self, array) -> jax.Array:
-        sharding = NamedSharding(self.mesh, PartitionSpec())
-        if isinstance(array, jax.Array) and array.sharding.is_equivalent_to(
-            sharding, array.ndim
+        if isinstance(array, jax.Array) and (
+            array.sharding == self._replicated
+            or array.sharding.is_equivalent_to(self._replicated, array.ndim)
         ):
             return array
-        return jax.device_put(array, sharding)
+        return jax.device_put(array, self._replicated)
 
     def _data_sharding(self, ndim: int) -> NamedSharding:
-        spec = (
-            PartitionSpec(BATCH_AXIS, *([None] * (ndim - 1)))
-            if ndim
-            else PartitionSpec()
-        )
-        return NamedSharding(self.mesh, spec)
+        sharding = self._data_shardings.get(ndim)
+        if sharding is None:
+            spec = (
+                PartitionSpec(BATCH_AXIS, *([None] * (ndim - 1)))
+                if ndim
+                else PartitionSpec()
+            )
+            sharding = self._data_shardings[ndim] = NamedSharding(self.mesh, spec)
+        return sharding
 
     def _local_replicas(self) -> int:
-        return sum(d.process_index == jax.process_index() for d in self.devices)
+        return self._local_replica_count
 
     def _input_context(self) -> InputContext:
         processes = sorted({d.process_index for d in self.devices})
@@ -276,12 +282,3 @@ class Strategy(keras.distribution.DataParallel):
         )
 
     __str__ = __repr__
-
-
-def strategy_of_variable(variable) -> "Strategy | None":
-    """The keras_dist strategy a Keras variable was created under, if any."""
-    layout = getattr(variable, "_layout", None)
-    mesh = getattr(layout, "device_mesh", None)
-    if mesh is None:
-        return None
-    return _STRATEGY_OF_MESH.get(mesh)

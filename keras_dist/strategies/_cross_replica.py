@@ -19,6 +19,7 @@ from keras_dist.strategies._values import (
     ReduceOp,
     concat_replicas,
     is_per_replica,
+    real_rows,
 )
 
 __all__ = ["experimental_local_results", "gather", "reduce"]
@@ -127,8 +128,8 @@ def _local_values(strategy, leaf, local: list[int]) -> list:
     if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
         shards = {s.device: s.data for s in leaf.addressable_shards}
         b = leaf.shape[0] // strategy.num_replicas_in_sync
-        view = PerReplica(leaf[:0], num_real=num_real_of(leaf), per_replica_batch=b)
-        return [shards[strategy.devices[i]][: view.real_rows(i)] for i in local]
+        num_real = num_real_of(leaf)
+        return [shards[strategy.devices[i]][: real_rows(num_real, b, i)] for i in local]
     per_replica = _as_per_replica(strategy, leaf)
     if per_replica is None:
         array = jnp.asarray(leaf)

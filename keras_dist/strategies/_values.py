@@ -82,10 +82,7 @@ class PerReplica:
 
     def real_rows(self, replica: int) -> int:
         """How many leading rows of replica `replica`'s batch are real."""
-        b = self.per_replica_batch
-        if self.num_real is None or b is None:
-            return b if b is not None else 0
-        return max(0, min(b, self.num_real - replica * b))
+        return real_rows(self.num_real, self.per_replica_batch, replica)
 
     def __repr__(self) -> str:
         shape = tuple(self.stacked.shape[1:])
@@ -93,6 +90,14 @@ class PerReplica:
             f"PerReplica(num_replicas={self.num_replicas}, shape={shape}, "
             f"dtype={self.stacked.dtype})"
         )
+
+
+def real_rows(num_real: int | None, per_replica_batch: int | None, replica: int) -> int:
+    """Real rows of replica `replica` when the global batch has `num_real`."""
+    b = per_replica_batch
+    if num_real is None or b is None:
+        return b if b is not None else 0
+    return max(0, min(b, num_real - replica * b))
 
 
 def is_per_replica(x: Any) -> bool:

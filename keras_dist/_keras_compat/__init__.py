@@ -1,0 +1,132 @@
+"""The one package where keras_dist reaches into private Keras code.
+
+Everything else plugs into public Keras API: strategies subclass
+`keras.distribution.DataParallel`, so Keras itself creates variables
+replicated on the mesh and lays batches out over it. Three things the public
+API cannot express are done here, on Keras's JAX trainer
+(`keras.src.backend.jax.trainer`), checked against Keras `CHECKED_KERAS`:
+
+1. **Partial batches.** Keras turns each host batch into a global array with
+   the module function `_distribute_data` (per pass in
+   `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
+   split evenly over the replicas it raises (keras#21167). keras_dist
+   replaces both, while one of its strategies is current, with
+   `Strategy._distribute_batch` (pad + record the real size; batches of one
+   pass must keep their structure, rank and dtype), and wraps the module's
+   `jit` so every compiled step first cuts a `PaddedBatch` back to its real
+   rows.
+2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
+   `*_on_batch` methods enter the scope of the strategy the model was built
+   under when no scope is open (the tf.distribute tutorials call `fit`
+   outside the scope). Before a step is compiled (`make_*_function`),
+   variables created outside any scope (model, optimizer or metric objects)
+   are moved onto the strategy, and variables of another strategy are
+   refused with an error that says how to fix the script.
+3. **A failed call leaves the model usable.** Keras detaches ("purges") the
+   variables' values while a loop runs and reattaches them at the end; when a
+   step raises, they stay `None` and every later call fails with
+   `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
+
+`install()` is idempotent and is called by the first `Strategy`. With no
+keras_dist strategy involved, every wrapped function behaves as Keras's own.
+`tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
+"""
+
+from typing import Any
+
+import keras
+
+from keras_dist._keras_compat._input import (
+    _distribute_data,
+    _get_distributed_iterator,
+    _jit,
+)
+from keras_dist._keras_compat._model import _entry_point, _step_builder
+from keras_dist._keras_compat._state import originals as _originals
+
+CHECKED_KERAS = "3.15"
+ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
+
+
+def _trainer_module():
+    from keras.src.backend.jax import trainer
+
+    return trainer
+
+
+def seams() -> dict[str, Any]:
+    """The private Keras objects keras_dist relies on, by name.
+
+    Raises:
+        ImportError: if a Keras release moved or removed one of them.
+    """
+    module = _trainer_module()
+    found = {
+        "trainer.jit": getattr(module, "jit", None),
+        "trainer._distribute_data": getattr(module, "_distribute_data", None),
+        "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
+        "trainer.JAXEpochIterator._get_distributed_iterator": getattr(
+            getattr(module, "JAXEpochIterator", None), "_get_distributed_iterator", None
+        ),
+    }
+    trainer_cls = found["trainer.JAXTrainer"]
+    for name in (*ENTRY_POINTS, *STEP_BUILDERS, "jax_state_sync"):
+        found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
+    missing = [name for name, obj in found.items() if obj is None]
+    if missing:
+        raise ImportError(
+            f"keras_dist {_version()} was checked against Keras {CHECKED_KERAS}.x; "
+            f"Keras {keras.__version__} no longer has {missing}. Install "
+            f"`keras>={CHECKED_KERAS},<3.16` or upgrade keras_dist."
+        )
+    return found
+
+
+def _version() -> str:
+    from keras_dist import __version__
+
+    return __version__
+
+
+def install() -> None:
+    """Installs the three seams described in the module docstring (idempotent)."""
+    if _originals:
+        return
+    seams()
+    module = _trainer_module()
+    _originals["jit"] = module.jit
+    _originals["_distribute_data"] = module._distribute_data
+    module.jit = _jit
+    module._distribute_data = _distribute_data
+    iterator_cls = module.JAXEpochIterator
+    _originals["_get_distributed_iterator"] = iterator_cls._get_distributed_iterator
+    iterator_cls._get_distributed_iterator = _get_distributed_iterator
+    for name in ENTRY_POINTS:
+        method = getattr(module.JAXTrainer, name)
+        _originals[f"JAXTrainer.{name}"] = method
+        setattr(module.JAXTrainer, name, _entry_point(method))
+    for name in STEP_BUILDERS:
+        method = getattr(module.JAXTrainer, name)
+        _originals[f"JAXTrainer.{name}"] = method
+        setattr(module.JAXTrainer, name, _step_builder(method))
+
+
+def sync_state(model) -> None:
+    """Writes the state a running `fit` holds back into the Keras variables.
+
+    The JAX trainer keeps the state outside the variables between steps;
+    after this, variables can be read or assigned, and the trainer re-reads
+    them before its next step.
+    """
+    if getattr(model, "_jax_state", None) and not getattr(
+        model, "_jax_state_synced", True
+    ):
+        model.jax_state_sync()

@@ -1,0 +1,143 @@
+"""Seams 2 and 3: a model runs under its strategy; a failed call leaves it usable."""
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist._keras_compat._input import current_strategy
+from keras_dist.errors import StrategyMismatchError
+from keras_dist.strategies._ownership import (
+    model_variables,
+    strategy_of_model,
+    strategy_of_variable,
+)
+
+__all__ = ["_entry_point", "_step_builder"]
+
+_BATCH_ARGS = ("batch_size", "validation_batch_size")
+_SCOPE_FIX = (
+    "Create and compile the model inside `strategy.scope()`:\n\n"
+    "    with strategy.scope():\n"
+    "        model = make_model()\n"
+    "        model.compile(...)\n"
+    "    model.fit(...)"
+)
+
+
+def _entry_point(method: Callable) -> Callable:
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def wrapper(model, *args, **kwargs):
+        strategy = _strategy_for(model)
+        if strategy is None:
+            return method(model, *args, **kwargs)
+        _check_batch_sizes(signature, strategy, model, args, kwargs)
+        if method.__name__ == "fit":
+            bound = signature.bind_partial(model, *args, **kwargs).arguments
+            model._keras_dist_initial_epoch = bound.get("initial_epoch", 0)
+        _place_variables(model, strategy, move=False)  # Refuse before building.
+        with contextlib.ExitStack() as stack:
+            if keras.distribution.distribution() is None:
+                stack.enter_context(strategy.scope())
+            snapshot = [(v, v._value) for v in model_variables(model)]
+            try:
+                return method(model, *args, **kwargs)
+            except BaseException:
+                _reattach(model, snapshot)
+                raise
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _step_builder(method: Callable) -> Callable:
+    """Before a step is compiled, every variable must live on the strategy."""
+
+    @functools.wraps(method)
+    def wrapper(model, force=False):
+        strategy = current_strategy()
+        if strategy is not None and _place_variables(model, strategy):
+            force = True  # A cached step carries the old placement.
+        return method(model, force=force)
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _strategy_for(model):
+    """The current keras_dist strategy, else the one the model was built under."""
+    if keras.distribution.distribution() is not None:
+        return current_strategy()
+    return strategy_of_model(model)
+
+
+def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
+    try:
+        bound = signature.bind(model, *args, **kwargs)
+    except TypeError:
+        return  # Keras reports wrong arguments itself.
+    for name in _BATCH_ARGS:
+        value = bound.arguments.get(name)
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, np.integer))
+            or value <= 0
+        ):
+            raise ValueError(
+                f"`{name}` must be a positive integer: the global batch, split "
+                f"over the {strategy.num_replicas_in_sync} replicas of "
+                f"{strategy!r}. Received: {name}={value!r}. For example "
+                f"{name}={32 * strategy.num_replicas_in_sync}."
+            )
+
+
+def _place_variables(model, strategy, *, move: bool = True) -> bool:
+    """Moves variables built outside any scope onto `strategy`; refuses others.
+
+    Returns whether a variable was moved (never, with `move=False`).
+    """
+    moved = False
+    for v in model_variables(model):
+        if getattr(v, "_value", None) is None:
+            continue
+        owner = strategy_of_variable(v)
+        if owner is not None and owner.devices == strategy.devices:
+            continue
+        if owner is not None or getattr(v, "_layout", None) is not None:
+            where = owner if owner is not None else v._layout
+            raise StrategyMismatchError(
+                f"Variable {v.path!r} was created under {where!r}, but the model "
+                f"is being run under {strategy!r}. A model belongs to the "
+                f"strategy it was built in. {_SCOPE_FIX}"
+            )
+        if not move:
+            continue
+        v._layout = strategy.get_variable_layout(v)
+        v._direct_assign(v._value)
+        moved = True
+    if moved:  # Compiled steps carry the old placement; rebuild them all.
+        model.train_function = model.test_function = model.predict_function = None
+    return moved
+
+
+def _reattach(model, snapshot) -> None:
+    """Puts values back on variables that a failed loop left detached."""
+    state = getattr(model, "_jax_state", None)
+    if state and not getattr(model, "_jax_state_synced", True):
+        with contextlib.suppress(Exception):
+            model.jax_state_sync()
+    model._jax_state = None
+    model._jax_state_synced = True
+    for v, value in snapshot:
+        if v._value is None and value is not None:
+            if isinstance(value, jax.Array) and value.is_deleted():
+                continue  # Donated to a step that ran; nothing left to restore.
+            v._value = value

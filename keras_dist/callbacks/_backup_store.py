@@ -1,0 +1,144 @@
+"""`BackupStore`: a model's whole training state in Orbax checkpoints."""
+
+import warnings
+
+import jax
+import numpy as np
+
+__all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
+
+GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
+
+
+class IncompatibleBackupError(ValueError):
+    """A backup was written by another model."""
+
+
+def variable_groups(model) -> dict[str, list]:
+    return {
+        "trainable": list(model.trainable_variables),
+        "non_trainable": list(model.non_trainable_variables),
+        "optimizer": list(model.optimizer.variables) if model.optimizer else [],
+        "metrics": list(model.metrics_variables),
+    }
+
+
+class BackupStore:
+    """Numbered backups in `directory`: atomic (Orbax), the previous one kept.
+
+    A backup holds every variable of the model, its optimizer and metrics,
+    plus a JSON `meta` dict (with each variable's path and shape, to refuse a
+    backup of another model).
+    """
+
+    def __init__(self, directory: str):
+        import orbax.checkpoint as ocp
+
+        self.directory = directory
+        self._manager = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=2, enable_async_checkpointing=False, create=True
+            ),
+        )
+
+    def save(self, model, number: int, meta: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        groups = variable_groups(model)
+        state = {name: [v.value for v in vs] for name, vs in groups.items()}
+        meta = {
+            **meta,
+            "variables": {
+                name: [[v.path, list(v.shape)] for v in vs]
+                for name, vs in groups.items()
+            },
+        }
+        if number in self._manager.all_steps():
+            self._manager.delete(number)
+        self._manager.save(
+            number,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, model) -> dict | None:
+        """Loads the newest readable backup into `model`; returns its meta.
+
+        A backup that cannot be read is reported and the previous one tried;
+        the state is laid out like the model's variables now are (so a
+        backup of another number of replicas is resharded).
+
+        Raises:
+            IncompatibleBackupError: the backup was written by another model.
+            RuntimeError: no backup can be read.
+        """
+        import orbax.checkpoint as ocp
+
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        if not steps:
+            return None
+        groups = variable_groups(model)
+        abstract = {
+            name: [
+                jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
+                for v in vs
+            ]
+            for name, vs in groups.items()
+        }
+        for number in steps:
+            try:
+                meta = self._manager.restore(
+                    number, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )["meta"]
+                self._check_compatible(meta, groups)
+                state = self._manager.restore(
+                    number,
+                    args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)),
+                )["state"]
+            except IncompatibleBackupError:
+                raise
+            except Exception as error:  # A torn or corrupt backup: try an older one.
+                warnings.warn(
+                    f"BackupAndRestore: the backup of step {number} in "
+                    f"{self.directory} cannot be read ({type(error).__name__}: "
+                    f"{str(error)[:200]}); trying the previous one.",
+                    stacklevel=3,
+                )
+                continue
+            for name in GROUPS:
+                for v, value in zip(groups[name], state[name], strict=True):
+                    v.assign(value)
+            meta["metrics_values"] = [np.asarray(v) for v in state["metrics"]]
+            return meta
+        raise RuntimeError(
+            f"BackupAndRestore: none of the backups {steps} in {self.directory} "
+            "can be read. Delete the directory to start from scratch."
+        )
+
+    def _check_compatible(self, meta: dict, groups: dict) -> None:
+        for name in GROUPS:
+            saved = meta["variables"][name]
+            current = [[v.path, list(v.shape)] for v in groups[name]]
+            for (s_path, s_shape), (c_path, c_shape) in zip(
+                saved, current, strict=False
+            ):
+                if s_shape != c_shape:
+                    raise IncompatibleBackupError(
+                        f"The backup in {self.directory} does not fit this model: "
+                        f"variable {c_path!r} has shape {tuple(c_shape)} but the "
+                        f"backup's {s_path!r} has shape {tuple(s_shape)}. Resume with "
+                        "the model that wrote the backup, or delete the directory."
+                    )
+            if len(saved) != len(current):
+                raise IncompatibleBackupError(
+                    f"The backup in {self.directory} does not fit this model: it "
+                    f"has {len(saved)} {name} variables, the model {len(current)}. "
+                    "Resume with the model that wrote the backup, or delete the "
+                    "directory."
+                )
+
+    def close(self) -> None:
+        self._manager.close()

@@ -1,0 +1,44 @@
+"""Which strategy a variable, or a model, belongs to."""
+
+import weakref
+from typing import Any
+
+__all__ = ["model_variables", "register", "strategy_of_model", "strategy_of_variable"]
+
+# DeviceMesh -> Strategy, so a variable's layout leads back to its strategy.
+_STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def register(strategy) -> None:
+    _STRATEGY_OF_MESH[strategy.device_mesh] = strategy
+
+
+def strategy_of_variable(variable):
+    """The keras_dist strategy a Keras variable was created under, if any."""
+    mesh = getattr(getattr(variable, "_layout", None), "device_mesh", None)
+    return None if mesh is None else _STRATEGY_OF_MESH.get(mesh)
+
+
+def model_variables(model) -> list:
+    """Every variable a training loop touches: model, optimizer, metrics."""
+    groups = [model.trainable_variables, model.non_trainable_variables]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "variables"):
+        groups.append(optimizer.variables)
+    groups.append(getattr(model, "metrics_variables", []))
+    seen, out = set(), []
+    for group in groups:
+        for v in group:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def strategy_of_model(model):
+    """The strategy the model (or its optimizer or metrics) was built under."""
+    for v in model_variables(model):
+        strategy = strategy_of_variable(v)
+        if strategy is not None:
+            return strategy
+    return None
