@@ -14,10 +14,12 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import callbacks, cluster, errors, losses  # noqa: E402
+from keras_dist import callbacks, cluster, data, errors, losses  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
+    CommunicationOptions,
     MirroredStrategy,
+    MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     PerReplica,
     ReduceOp,
@@ -29,9 +31,11 @@ from keras_dist.strategies import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationOptions",
     "InputContext",
     "InputOptions",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
@@ -40,6 +44,7 @@ __all__ = [
     "__version__",
     "callbacks",
     "cluster",
+    "data",
     "errors",
     "get_replica_context",
     "losses",

@@ -27,6 +27,12 @@ API cannot express are done here, on Keras's JAX trainer
    step raises, they stay `None` and every later call fails with
    `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
 
+4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call
+   is checked to be the same call on every process (else an error instead
+   of a hang), non-chief processes do not print or log, `fit` shares the
+   chief's NumPy random state (same shuffling), `predict` outputs are
+   gathered on every process.
+
 `install()` is idempotent and is called by the first `Strategy`. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -77,6 +83,9 @@ def seams() -> dict[str, Any]:
             getattr(module, "JAXEpochIterator", None), "_get_distributed_iterator", None
         ),
     }
+    from keras.src.utils import rng_utils
+
+    found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "jax_state_sync"):
         found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
@@ -117,6 +126,13 @@ def install() -> None:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
         setattr(module.JAXTrainer, name, _step_builder(method))
+
+
+def global_seed() -> int | None:
+    """The seed `keras.utils.set_random_seed` set, if any."""
+    from keras.src.utils import rng_utils
+
+    return rng_utils.get_random_seed()
 
 
 def sync_state(model) -> None:

@@ -5,7 +5,14 @@ from collections.abc import Callable
 import keras
 
 from keras_dist._keras_compat._state import originals as _originals
+from keras_dist.cluster import _sync
+from keras_dist.data._auto_shard import is_per_process
 from keras_dist.data._batch_checks import BatchSignature
+from keras_dist.data._multi_process import (
+    ProcessBlocks,
+    check_pass_end,
+    check_pass_start,
+)
 from keras_dist.data._partial_batch import batch_size_of, unpadding
 
 __all__ = ["_distribute_data", "_get_distributed_iterator", "_jit", "current_strategy"]
@@ -19,7 +26,12 @@ def current_strategy():
 
 
 def _jit(fun: Callable, *args, **kwargs):
-    return _originals["jit"](unpadding(fun), *args, **kwargs)
+    step = unpadding(fun)
+    if getattr(fun, "__name__", "") == "predict_step":
+        from keras_dist._keras_compat._processes import gathered_outputs
+
+        step = gathered_outputs(step)
+    return _originals["jit"](step, *args, **kwargs)
 
 
 def _distribute_data(data, layouts=None):
@@ -37,15 +49,48 @@ def _get_distributed_iterator(self, distribution):
         yield from _originals["_get_distributed_iterator"](self, distribution)
         return
     name = type(self.data_adapter).__name__.removesuffix("Adapter")
-    signature = BatchSignature(f"the {name} input")
+    source = f"the {name} input"
+    signature = BatchSignature(source)
     skip = _replay(self, distribution)
-    for index, data in enumerate(self.data_adapter.get_jax_iterator()):
+    batches = self.data_adapter.get_jax_iterator()
+    channel = _sync.channel("fit-input") if distribution._spans_processes else ""
+    if distribution._spans_processes and is_per_process(
+        getattr(self.data_adapter, "_dataset", None)
+    ):
+        yield from _per_process_batches(
+            distribution, batches, signature, skip, source, channel
+        )
+        return
+    index = -1
+    for index, data in enumerate(batches):
         if index < skip:
             continue
         signature.check(data, index)
-        if index == 0:
+        if index == skip:
             distribution._observed_batch_size = batch_size_of(data)
+            if distribution._spans_processes:
+                check_pass_start(data, source, channel + "/start")
         yield distribution._distribute_batch(data)
+    if distribution._spans_processes:
+        check_pass_end(index + 1, source, channel + "/end")
+
+
+def _per_process_batches(strategy, batches, signature, skip, source, channel):
+    """Per-process shares (AutoShardPolicy FILE/OFF): agree on every step."""
+    blocks = ProcessBlocks(strategy._local_replicas(), source, channel)
+    iterator = iter(batches)
+    index = 0
+    while True:
+        data = next(iterator, None)
+        if data is not None:
+            signature.check(data, index)
+        agreed = blocks(data)
+        if agreed is None:
+            return
+        if index >= skip:
+            block, rows, num_real = agreed
+            yield strategy._distribute_block(block, rows, num_real)
+        index += 1
 
 
 def _replay(epoch_iterator, strategy) -> int:

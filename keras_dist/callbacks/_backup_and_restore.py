@@ -6,14 +6,20 @@ import shutil
 import signal
 import threading
 
+import jax
 import keras
 import numpy as np
+from jax.experimental import multihost_utils
 
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
 
 __all__ = ["BackupAndRestore"]
+
+# Train steps of this process so far: the step ids of JAX's preemption sync
+# must grow across every fit of the program, identically on every process.
+_STEPS = {"seen": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +138,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._step_in_epoch += 1
-        if self._preempted.is_set():
+        if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
             if is_chief():
                 print(
@@ -211,8 +217,22 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # Preemption -----------------------------------------------------------
 
-    def _install_sigterm_handler(self) -> None:
+    def _preemption_noticed(self) -> bool:
+        """SIGTERM seen here — or, with several processes, at an agreed step.
+
+        With several processes JAX's preemption service owns SIGTERM: when
+        any process gets it, all agree on one future step, and each saves
+        (Orbax saves are collective) and exits there.
+        """
         if not self.save_before_preemption:
+            return False
+        if jax.process_count() == 1:
+            return self._preempted.is_set()
+        _STEPS["seen"] += 1
+        return multihost_utils.reached_preemption_sync_point(_STEPS["seen"])
+
+    def _install_sigterm_handler(self) -> None:
+        if not self.save_before_preemption or jax.process_count() > 1:
             return
         if threading.current_thread() is not threading.main_thread():
             return

@@ -2,7 +2,9 @@
 
 import json
 import os
+import tempfile
 
+import jax
 import keras
 
 from keras_dist.callbacks._chief import is_chief
@@ -87,20 +89,28 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
         if not is_chief():
+            if jax.process_count() > 1:
+                # Saving runs collectives (JAX checks values across processes):
+                # every process takes part; the others write to a scratch dir.
+                with tempfile.TemporaryDirectory() as scratch:
+                    self._write(os.path.join(scratch, os.path.basename(filepath)))
             return
         if os.path.isdir(filepath):
             raise IsADirectoryError(
                 f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
                 "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
             )
+        self._write(filepath)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
+        self._record(filepath)
+
+    def _write(self, filepath: str) -> None:
         if self.save_weights_only:
             atomic_write(filepath, lambda p: self.model.save_weights(p, overwrite=True))
         else:
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
-        if self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
-        self._record(filepath)
 
     def _record(self, filepath: str) -> None:
         filepath = os.path.abspath(filepath)

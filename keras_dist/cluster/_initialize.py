@@ -80,8 +80,17 @@ def _wait_for_coordinator(resolver: ClusterResolver, timeout: float) -> float:
     )
 
 
+def _joined_by_jax() -> bool:
+    from jax._src import distributed
+
+    return distributed.global_state.client is not None
+
+
 def initialize(
-    resolver: ClusterResolver | None = None, *, timeout: float = 300.0
+    resolver: ClusterResolver | None = None,
+    *,
+    timeout: float = 300.0,
+    implementation: str = "auto",
 ) -> ClusterResolver:
     """Joins this process to its JAX cluster (once), after printing the topology.
 
@@ -94,6 +103,7 @@ def initialize(
     Args:
         resolver: the cluster; defaults to auto-detection.
         timeout: seconds to wait for the coordinator and every peer.
+        implementation: CPU collectives: `"auto"` or `"gloo"` (gloo), `"mpi"`.
 
     Returns:
         The resolved cluster.
@@ -106,6 +116,12 @@ def initialize(
     """
     if "resolver" in _STATE:
         return _STATE["resolver"]
+    if _joined_by_jax():  # The program called jax.distributed.initialize itself.
+        resolver = ClusterResolver(
+            None, jax.process_count(), jax.process_index(), source="jax"
+        )
+        _STATE.update(resolver=resolver, joined=True)
+        return resolver
     resolver = resolve(resolver)
     check_address(resolver)
     if resolver.num_processes == 1:
@@ -125,7 +141,10 @@ def initialize(
         )
     local = jax.config.jax_platforms or "default backend"
     if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(local):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.config.update(
+            "jax_cpu_collectives_implementation",
+            "gloo" if implementation == "auto" else implementation,
+        )
     print(
         f"keras_dist: joining as {resolver.describe()}; waiting up to {timeout:g} s "
         "for all processes.",

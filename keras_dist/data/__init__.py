@@ -1,6 +1,14 @@
 """The input layer: global batches, distributed datasets, input contexts."""
 
+from keras_dist.data._auto_shard import AutoShardPolicy, with_auto_shard_policy
 from keras_dist.data._distributed_dataset import DistributedDataset, DistributedIterator
 from keras_dist.data._input_context import InputContext, InputOptions
 
-__all__ = ["DistributedDataset", "DistributedIterator", "InputContext", "InputOptions"]
+__all__ = [
+    "AutoShardPolicy",
+    "DistributedDataset",
+    "DistributedIterator",
+    "InputContext",
+    "InputOptions",
+    "with_auto_shard_policy",
+]

@@ -16,8 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from keras_dist.cluster import _sync
+from keras_dist.data._auto_shard import is_per_process, per_process_share
 from keras_dist.data._batch_checks import BatchSignature
 from keras_dist.data._input_context import InputContext, InputOptions
+from keras_dist.data._multi_process import (
+    ProcessBlocks,
+    check_pass_end,
+    check_pass_start,
+)
 from keras_dist.data._prefetch import Prefetcher
 
 __all__ = [
@@ -68,19 +75,55 @@ class DistributedIterator:
     """An iterator over global, replica-split batches; `next()` or `get_next()`."""
 
     def __init__(
-        self, strategy, host_iterator: Iterator[Any], options: InputOptions, source: str
+        self,
+        strategy,
+        host_iterator: Iterator[Any],
+        options: InputOptions,
+        source: str,
+        per_process: bool = False,
     ):
         self._strategy = strategy
+        self._source = source
+        self._per_process = per_process
         self._signature = BatchSignature(source)
+        # Named here, on the main thread: the exchanges may run on a prefetch
+        # thread, and every process must number them alike.
+        self._channel = _sync.channel("input") if strategy._spans_processes else ""
         batches = self._distributed(host_iterator)
         if options.experimental_fetch_to_device:
             batches = Prefetcher(batches, options.experimental_per_replica_buffer_size)
         self._batches = batches
 
     def _distributed(self, host_iterator: Iterator[Any]) -> Iterator[Any]:
+        strategy = self._strategy
+        if strategy._spans_processes and self._per_process:
+            yield from self._per_process_blocks(host_iterator)
+            return
+        index = -1
         for index, batch in enumerate(host_iterator):
             self._signature.check(batch, index)
-            yield self._strategy._distribute_element(batch)
+            if index == 0 and strategy._spans_processes:
+                check_pass_start(batch, self._source, self._channel + "/start")
+            yield strategy._distribute_element(batch)
+        if strategy._spans_processes:
+            check_pass_end(index + 1, self._source, self._channel + "/end")
+
+    def _per_process_blocks(self, host_iterator: Iterator[Any]) -> Iterator[Any]:
+        """Each process's own batches; every step agreed, so none waits forever."""
+        blocks = ProcessBlocks(
+            self._strategy._local_replicas(), self._source, self._channel
+        )
+        index = 0
+        while True:
+            batch = next(host_iterator, None)
+            if batch is not None:
+                self._signature.check(batch, index)
+            agreed = blocks(batch)
+            if agreed is None:
+                return
+            block, rows, num_real = agreed
+            yield self._strategy._distribute_element(block, block=(rows, num_real))
+            index += 1
 
     def __iter__(self) -> "DistributedIterator":
         return self
@@ -111,15 +154,21 @@ class DistributedDataset:
         *,
         options: InputOptions,
         source: str,
+        per_process: bool = False,
     ):
         self._strategy = strategy
         self._start_pass = start_pass
         self._options = options
         self._source = source
+        self._per_process = per_process
 
     def __iter__(self) -> DistributedIterator:
         return DistributedIterator(
-            self._strategy, self._start_pass(), self._options, self._source
+            self._strategy,
+            self._start_pass(),
+            self._options,
+            self._source,
+            self._per_process,
         )
 
     def __repr__(self) -> str:
@@ -145,11 +194,14 @@ def distribute_dataset(strategy, dataset: Any, options=None) -> DistributedDatas
             "Batch it by the global batch size first: "
             "`dataset.batch(per_replica_batch * strategy.num_replicas_in_sync)`.",
         )
+    source = type(dataset).__name__
+    dataset = per_process_share(strategy, dataset)
     return DistributedDataset(
         strategy,
         _host_batches(dataset),
         options=options,
-        source=type(dataset).__name__,
+        source=source,
+        per_process=is_per_process(dataset),
     )
 
 
@@ -191,4 +243,5 @@ def distribute_datasets_from_function(
         lambda: _grouped(start(), group),
         options=options,
         source=f"{type(dataset).__name__} from {getattr(dataset_fn, '__name__', 'fn')}",
+        per_process=True,
     )

@@ -29,11 +29,17 @@ import optree
 
 __all__ = [
     "PaddedBatch",
+    "as_padded_batch",
     "batch_size_of",
     "mark_padded",
     "num_real_of",
     "pad_batch",
     "pad_rows",
+    "real_mask",
+    "real_rows_in",
+    "segments_of",
+    "take_real",
+    "total_real",
     "unpad",
     "unpadding",
 ]
@@ -49,9 +55,9 @@ class PaddedBatch(tuple):
     def __new__(cls, items, num_real: int):
         return super().__new__(cls, items)
 
-    def __init__(self, items, num_real: int):
+    def __init__(self, items, num_real: "NumReal"):
         super().__init__()
-        self.num_real = int(num_real)
+        self.num_real = num_real if isinstance(num_real, tuple) else int(num_real)
 
     def __repr__(self) -> str:
         return f"PaddedBatch({tuple(self)!r}, num_real={self.num_real})"
@@ -61,7 +67,7 @@ def _flatten(batch: PaddedBatch):
     return tuple(batch), batch.num_real
 
 
-def _unflatten(num_real: int, children) -> PaddedBatch:
+def _unflatten(num_real, children) -> PaddedBatch:
     return PaddedBatch(children, num_real)
 
 
@@ -127,22 +133,74 @@ def pad_batch(data: Any, multiple: int) -> Any:
     Keras unpacks the same way).
     """
     padded, num_real = pad_rows(data, multiple)
+    return as_padded_batch(padded, num_real)
+
+
+def as_padded_batch(data: Any, num_real: "NumReal | None") -> Any:
+    """`data` as a `PaddedBatch` with `num_real`, or unchanged if None."""
     if num_real is None:
         return data
-    items = tuple(padded) if isinstance(padded, (tuple, list)) else (padded,)
+    items = tuple(data) if isinstance(data, (tuple, list)) else (data,)
     return PaddedBatch(items, num_real)
+
+
+# `num_real` is an int when the real rows are the leading ones (one process,
+# or a global batch every process reads), else a tuple of `(start, count)`
+# row segments: the real rows of each process's block when each process
+# brings its own rows (a per-process input pipeline).
+NumReal = int | tuple[tuple[int, int], ...]
+
+
+def segments_of(num_real: NumReal) -> tuple[tuple[int, int], ...]:
+    """The real rows as `(start, count)` segments."""
+    if isinstance(num_real, tuple):
+        return num_real
+    return ((0, int(num_real)),)
+
+
+def total_real(num_real: NumReal) -> int:
+    """How many rows are real in all."""
+    return sum(count for _, count in segments_of(num_real))
+
+
+def take_real(leaf, num_real: NumReal):
+    """The real rows of `leaf` (axis 0), in order; traceable."""
+    if not isinstance(num_real, tuple):
+        return leaf[:num_real]
+    parts = [leaf[start : start + count] for start, count in num_real if count]
+    if len(parts) == 1:
+        return parts[0]
+    return jax.numpy.concatenate(parts, axis=0)
+
+
+def real_mask(rows, num_real: NumReal):
+    """Whether each global row index in `rows` is real; traceable."""
+    mask = None
+    for start, count in segments_of(num_real):
+        inside = (rows >= start) & (rows < start + count)
+        mask = inside if mask is None else mask | inside
+    return mask
+
+
+def real_rows_in(num_real: NumReal, start: int, stop: int) -> int:
+    """How many of the global rows `start ... stop - 1` are real."""
+    return sum(
+        max(0, min(stop, s + c) - max(start, s)) for s, c in segments_of(num_real)
+    )
 
 
 def unpad(data: Any) -> Any:
     """Cuts a `PaddedBatch` back to its real rows (a plain tuple); else identity.
 
-    Meant to run inside `jax.jit`, where `num_real` is a static Python int.
+    Meant to run inside `jax.jit`, where `num_real` is static.
     """
     if not isinstance(data, PaddedBatch):
         return data
     n = data.num_real
     return tuple(
-        jax.tree.map(lambda leaf: leaf[:n] if _is_array(leaf) else leaf, tuple(data))
+        jax.tree.map(
+            lambda leaf: take_real(leaf, n) if _is_array(leaf) else leaf, tuple(data)
+        )
     )
 
 
@@ -159,16 +217,16 @@ def unpadding(fn: Callable) -> Callable:
 # Global arrays of a padded batch handed to user code (distributed datasets)
 # carry their real row count here, keyed by identity, so `Strategy.run` can
 # mask the padding without the user passing anything extra.
-_NUM_REAL: dict[int, int] = {}
+_NUM_REAL: dict[int, "NumReal"] = {}
 
 
-def mark_padded(array: jax.Array, num_real: int) -> None:
-    """Records that only the first `num_real` rows of `array` are real."""
+def mark_padded(array: jax.Array, num_real: NumReal) -> None:
+    """Records which rows of `array` are real (the first `num_real`, or segments)."""
     key = id(array)
-    _NUM_REAL[key] = int(num_real)
+    _NUM_REAL[key] = num_real
     weakref.finalize(array, _NUM_REAL.pop, key, None)
 
 
-def num_real_of(array: Any) -> int | None:
+def num_real_of(array: Any) -> "NumReal | None":
     """The real row count recorded by `mark_padded`, or None."""
     return _NUM_REAL.get(id(array))

@@ -2,12 +2,18 @@
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._mirrored import MirroredStrategy
+from keras_dist.strategies._multi_worker import (
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+)
 from keras_dist.strategies._one_device import OneDeviceStrategy
 from keras_dist.strategies._replica_context import ReplicaContext, get_replica_context
 from keras_dist.strategies._values import PerReplica, ReduceOp
 
 __all__ = [
+    "CommunicationOptions",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

@@ -10,9 +10,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist import _keras_compat
-from keras_dist.data import _distributed_dataset
+from keras_dist.data import _auto_shard, _distributed_dataset
 from keras_dist.data._input_context import InputContext
-from keras_dist.data._partial_batch import mark_padded, pad_batch, pad_rows
+from keras_dist.data._multi_process import global_rows
+from keras_dist.data._partial_batch import (
+    as_padded_batch,
+    batch_size_of,
+    mark_padded,
+    pad_batch,
+    pad_rows,
+)
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
@@ -43,7 +50,9 @@ class Strategy(keras.distribution.DataParallel):
 
     def __init__(self, devices: Sequence[jax.Device]):
         _keras_compat.install()
-        super().__init__(devices=list(devices))
+        # keras_dist splits the input over processes itself (keras.distribution
+        # would rebatch tf.data and refuse NumPy with several processes).
+        super().__init__(devices=list(devices), auto_shard_dataset=False)
         _ownership.register(self)
         self._run_cache: dict = {}
         # Computed once: the input path uses them for every batch.
@@ -52,6 +61,9 @@ class Strategy(keras.distribution.DataParallel):
         )
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._data_shardings: dict[int, NamedSharding] = {}
+        self._process_count = len({d.process_index for d in self.devices})
+        self._spans_processes = self._process_count > 1
+        self._row_ranges: dict[int, slice] = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -246,31 +258,88 @@ class Strategy(keras.distribution.DataParallel):
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
 
-    def _shard(self, data: Any) -> Any:
-        """Host arrays (rows a multiple of the local replicas) -> global arrays."""
+    def _process_rows(self, rows: int) -> slice:
+        """The rows of a global batch of `rows` that live on this process."""
+        found = self._row_ranges.get(rows)
+        if found is None:
+            indices = self._data_sharding(1).addressable_devices_indices_map((rows,))
+            starts = [index[0].start or 0 for index in indices.values()]
+            stops = [
+                rows if index[0].stop is None else index[0].stop
+                for index in indices.values()
+            ]
+            found = self._row_ranges[rows] = slice(min(starts), max(stops))
+        return found
+
+    def _shard(self, data: Any, rows: int | None = None) -> Any:
+        """This process's rows (a multiple of its replicas) -> global arrays.
+
+        `rows` is the global batch size when the mesh spans processes.
+        """
 
         def shard(leaf):
             if not isinstance(leaf, jax.Array):
                 leaf = np.asarray(leaf)
+            shape = None if rows is None or not leaf.ndim else (rows, *leaf.shape[1:])
             return jax.make_array_from_process_local_data(
-                self._data_sharding(leaf.ndim), leaf
+                self._data_sharding(leaf.ndim), leaf, shape
             )
 
         return jax.tree.map(shard, data)
 
     def _distribute_batch(self, data: Any) -> Any:
-        """A Keras batch for `fit`: padded (as a `PaddedBatch`) and sharded."""
-        return self._shard(pad_batch(data, self._local_replicas()))
+        """A global Keras batch for `fit`: padded (as a `PaddedBatch`), sharded.
 
-    def _distribute_element(self, element: Any) -> Any:
-        """A dataset element: same structure, padded arrays remember real rows."""
-        padded, num_real = pad_rows(element, self._local_replicas())
-        arrays = self._shard(padded)
+        With several processes, each reads the whole global batch and hands
+        JAX only its own rows.
+        """
+        if not self._spans_processes:
+            return self._shard(pad_batch(data, self._local_replicas()))
+        size = batch_size_of(data)
+        local, rows, num_real = global_rows(
+            data, self.num_replicas_in_sync, self._process_rows(_padded(size, self))
+        )
+        return as_padded_batch(self._shard(local, rows), num_real)
+
+    def _distribute_block(self, block: Any, rows: int, num_real) -> Any:
+        """This process's padded block of a per-process batch -> a Keras batch."""
+        return as_padded_batch(self._shard(block, rows * self._process_count), num_real)
+
+    def _distribute_element(self, element: Any, block=None) -> Any:
+        """A dataset element: same structure, padded arrays remember real rows.
+
+        `block` is `(rows, num_real)` when `element` is this process's padded
+        block of a per-process batch.
+        """
+        if block is not None:
+            rows, num_real = block
+            arrays = self._shard(element, rows * self._process_count)
+        elif not self._spans_processes:
+            padded, num_real = pad_rows(element, self._local_replicas())
+            arrays = self._shard(padded)
+        else:
+            size = batch_size_of(element)
+            local, rows, num_real = global_rows(
+                element,
+                self.num_replicas_in_sync,
+                self._process_rows(_padded(size, self)),
+            )
+            arrays = self._shard(local, rows)
         if num_real is not None:
             for leaf in jax.tree.leaves(arrays):
                 if leaf.ndim:
                     mark_padded(leaf, num_real)
         return arrays
+
+    def distribute_dataset(self, dataset):
+        """Keras's hook for tf.data inputs of fit/evaluate/predict.
+
+        With one process, or under `AutoShardPolicy.AUTO/DATA`, the dataset
+        is kept whole (each process reads every global batch and keeps its
+        rows). Under `FILE` or `OFF` it becomes this process's share, read
+        `global_batch / num_processes` rows per step.
+        """
+        return _auto_shard.per_process_share(self, dataset)
 
     def __repr__(self) -> str:
         names = [device_name(d) for d in self.devices]
@@ -282,3 +351,9 @@ class Strategy(keras.distribution.DataParallel):
         )
 
     __str__ = __repr__
+
+
+def _padded(size: int | None, strategy: Strategy) -> int:
+    """`size` rounded up to a multiple of the replicas."""
+    n = strategy.num_replicas_in_sync
+    return -(-(size or 0) // n) * n

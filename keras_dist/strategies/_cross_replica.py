@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_dist.data._partial_batch import num_real_of
+from keras_dist.data._partial_batch import num_real_of, take_real
 from keras_dist.strategies._replica_context import in_replica_context
 from keras_dist.strategies._values import (
     PerReplica,
@@ -63,7 +63,7 @@ def _check_axis(axis, value_ndim: int) -> int:
 def _concat(value: PerReplica, axis: int) -> jax.Array:
     merged = concat_replicas(value.stacked, axis)
     if axis == 0 and value.num_real is not None and value.is_per_example():
-        merged = merged[: value.num_real]
+        merged = take_real(merged, value.num_real)
     return merged
 
 
@@ -79,7 +79,14 @@ def gather(strategy, value: Any, axis: int) -> Any:
         k = _check_axis(axis, per_replica.stacked.ndim - 1)
         return _concat(per_replica, k)
 
-    return jax.tree.map(one, value, is_leaf=is_per_replica)
+    return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
+
+
+def _everywhere(strategy, result: Any) -> Any:
+    """With several processes: the whole result on every process (replicated)."""
+    if not strategy._spans_processes:
+        return result
+    return jax.jit(lambda tree: tree, out_shardings=strategy._replicated)(result)
 
 
 def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
@@ -102,7 +109,7 @@ def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
         merged = _concat(per_replica, k)
         return merged.sum(k) if op is ReduceOp.SUM else merged.mean(k)
 
-    return jax.tree.map(one, value, is_leaf=is_per_replica)
+    return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
 
 
 def experimental_local_results(strategy, value: Any) -> tuple:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_dist.data._partial_batch import real_mask, total_real
 from keras_dist.strategies._values import ReduceOp
 
 __all__ = ["ReplicaContext", "get_replica_context"]
@@ -90,18 +91,18 @@ class ReplicaContext:
         if rows != self.per_replica_batch:
             raise ValueError(
                 "The batch given to `strategy.run` was padded (a partial last "
-                f"batch of {self.num_real} examples), so per-example values "
-                f"must have one row per example of the replica's batch "
+                f"batch of {total_real(self.num_real)} examples), so per-example "
+                f"values must have one row per example of the replica's batch "
                 f"({self.per_replica_batch} rows). Received a value with "
                 f"{rows} rows."
             )
         first = self.replica_id_in_sync_group * rows
-        return (first + jnp.arange(rows)) < self.num_real
+        return real_mask(first + jnp.arange(rows), self.num_real)
 
     def global_batch_size(self, rows: int) -> int:
         """The real number of examples in the global batch."""
         if self.num_real is not None:
-            return self.num_real
+            return total_real(self.num_real)
         return rows * self.num_replicas_in_sync
 
     def __repr__(self) -> str:

@@ -6,6 +6,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from keras_dist.data._partial_batch import NumReal, real_rows_in
+
 __all__ = ["PerReplica", "ReduceOp"]
 
 
@@ -92,12 +94,16 @@ class PerReplica:
         )
 
 
-def real_rows(num_real: int | None, per_replica_batch: int | None, replica: int) -> int:
+def real_rows(
+    num_real: "NumReal | None", per_replica_batch: int | None, replica: int
+) -> int:
     """Real rows of replica `replica` when the global batch has `num_real`."""
     b = per_replica_batch
     if num_real is None or b is None:
         return b if b is not None else 0
-    return max(0, min(b, num_real - replica * b))
+    # Padding sits at the end of each process's block, so a replica's real
+    # rows are always its leading ones.
+    return real_rows_in(num_real, replica * b, (replica + 1) * b)
 
 
 def is_per_replica(x: Any) -> bool:

@@ -1,0 +1,156 @@
+"""Seam 4: fit/evaluate/predict over several processes.
+
+At the start of each call every process checks (through the coordination
+service, with a timeout) that the others made the same call — same method,
+global batch sizes, epochs, steps, model variables and in-memory data shapes —
+so a mismatch is an error naming the processes instead of a hang in a
+collective. `fit` also gives every process the chief's NumPy random state, so
+Keras shuffles NumPy inputs identically everywhere (each process then keeps
+its rows of the same global batches). Non-chief processes print nothing and
+do not run the logging callbacks (progress bar, CSVLogger, TensorBoard): the
+chief writes for all. `predict` gathers its outputs on every process.
+"""
+
+import functools
+import hashlib
+import json
+import zlib
+
+import jax
+import keras
+import numpy as np
+
+from keras_dist.cluster import _sync
+
+__all__ = ["gathered_outputs", "prepare_call"]
+
+_CHECKED_ARGS = (
+    "batch_size",
+    "epochs",
+    "steps_per_epoch",
+    "validation_steps",
+    "validation_batch_size",
+    "validation_freq",
+    "initial_epoch",
+    "steps",
+)
+_CHIEF_ONLY_CALLBACKS = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.TensorBoard,
+)
+
+
+def _shape(value):
+    if value is None:
+        return None
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return [type(value).__name__, list(shape)]
+    if isinstance(value, (list, tuple)):
+        return [_shape(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _shape(v) for k, v in sorted(value.items())}
+    return type(value).__name__
+
+
+def _model_digest(model) -> str:
+    text = json.dumps([[v.path, list(v.shape), str(v.dtype)] for v in model.variables])
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _weights_digest(model) -> str:
+    """Checksum of this process's copy of every built variable's value."""
+    crc = 0
+    for v in model.variables:
+        value = getattr(v, "_value", None)
+        if isinstance(value, jax.Array):
+            local = np.asarray(value.addressable_shards[0].data)
+            crc = zlib.crc32(np.ascontiguousarray(local).view(np.uint8), crc)
+    return f"{crc:08x}"
+
+
+def _describe_call(method: str, model, arguments: dict) -> dict:
+    call = {"method": method, "model": _model_digest(model)}
+    if method == "fit":
+        call["weights"] = _weights_digest(model)
+    for name in _CHECKED_ARGS:
+        if name in arguments:
+            value = arguments[name]
+            call[name] = (
+                value if isinstance(value, (int, str, type(None))) else str(value)
+            )
+    for name in ("x", "y", "sample_weight"):
+        if name in arguments:
+            call[f"{name}_shape"] = _shape(arguments[name])
+    return call
+
+
+def prepare_call(method: str, model, arguments: dict) -> None:
+    """Cross-process check of the call; chief-only logging; same shuffling.
+
+    `arguments` are the bound arguments of `fit/evaluate/predict`; they are
+    changed in place for non-chief processes.
+
+    Raises:
+        ValueError: if the processes made different calls (names them).
+    """
+    call = _describe_call(method, model, arguments)
+    everyone = _sync.allgather(f"call-{method}", call)
+    different = sorted(
+        key for key in call if any(other.get(key) != call[key] for other in everyone)
+    )
+    if different:
+        found = "; ".join(
+            f"process {p}: "
+            + ", ".join(f"{key}={other.get(key)!r}" for key in different)
+            for p, other in enumerate(everyone)
+        )
+        raise ValueError(
+            f"The processes called `model.{method}` differently ({found}). With "
+            "several processes every process must run the same program: the "
+            "same model, the same global `batch_size`, epochs and steps, and the "
+            "same full dataset (keras_dist splits each global batch over the "
+            "processes). `model` differs when the architectures differ; "
+            "`weights` when the initial values differ (seed every process alike "
+            "with `keras.utils.set_random_seed`, or create the strategy before "
+            "seeding: it agrees on a seed)."
+        )
+    if method == "fit":
+        state = np.random.get_state()
+        chief_state = _sync.broadcast_from_chief(
+            "numpy-random-state",
+            [state[0], state[1].tolist(), int(state[2]), int(state[3]), state[4]],
+        )
+        if jax.process_index() != 0:
+            name, keys, pos, has_gauss, cached = chief_state
+            np.random.set_state(
+                (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+            )
+    if jax.process_index() != 0:
+        if "verbose" in arguments or method in ("fit", "evaluate", "predict"):
+            arguments["verbose"] = 0
+        callbacks = arguments.get("callbacks")
+        if callbacks:
+            arguments["callbacks"] = [
+                c for c in callbacks if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
+            ]
+
+
+def gathered_outputs(step):
+    """Wraps Keras's `predict_step(state, data)`: outputs whole on every process."""
+
+    @functools.wraps(step)
+    def predict_step(*args, **kwargs):
+        outputs, state = step(*args, **kwargs)
+        from keras_dist._keras_compat._input import current_strategy
+
+        strategy = current_strategy()
+        if strategy is not None and strategy._spans_processes:
+            outputs = jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, strategy._replicated),
+                outputs,
+            )
+        return outputs, state
+
+    return predict_step

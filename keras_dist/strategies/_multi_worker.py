@@ -1,0 +1,175 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism over processes."""
+
+import dataclasses
+import random
+
+import jax
+import keras
+
+from keras_dist import _keras_compat
+from keras_dist.cluster import _initialize, _sync
+from keras_dist.cluster._resolver import ClusterResolver
+from keras_dist.errors import ClusterConfigError
+from keras_dist.strategies._base import Strategy
+
+__all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
+
+_IMPLEMENTATIONS = ("auto", "gloo", "mpi")
+
+
+@dataclasses.dataclass(frozen=True)
+class CommunicationOptions:
+    """How the processes talk, as `tf.distribute.experimental.CommunicationOptions`.
+
+    The collectives themselves are XLA's (NCCL on GPU, ICI on TPU, gloo or MPI
+    between CPU hosts), chosen by JAX; these options set the timeouts and the
+    CPU implementation.
+
+    Args:
+        timeout_seconds: how long joining the cluster, and each cross-process
+            check keras_dist makes (start of `fit`, input agreement), may
+            wait for a peer before failing with `ClusterTimeoutError`.
+            Defaults to 300.
+        implementation: CPU collectives, `"auto"` (gloo), `"gloo"` or `"mpi"`.
+
+    Raises:
+        ValueError: for a non-positive timeout or an unknown implementation.
+    """
+
+    timeout_seconds: float = 300.0
+    implementation: str = "auto"
+
+    def __post_init__(self):
+        t = self.timeout_seconds
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(
+                "`timeout_seconds` must be a positive number of seconds. "
+                f"Received: timeout_seconds={t!r}."
+            )
+        if self.implementation not in _IMPLEMENTATIONS:
+            raise ValueError(
+                f"`implementation` must be one of {list(_IMPLEMENTATIONS)}. "
+                f"Received: implementation={self.implementation!r}. (On GPU and "
+                "TPU JAX always uses NCCL / ICI.)"
+            )
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous training over every device of every process (host).
+
+    Like `tf.distribute.MultiWorkerMirroredStrategy`: each process (worker)
+    runs the same program; the strategy joins the JAX cluster (from
+    TF_CONFIG, SLURM, `keras-dist-run`, JAX's own detection, or
+    `cluster_resolver`), then replicates variables over all devices of all
+    processes and splits each global batch over them.
+
+    `batch_size` stays the *global* batch. Give every process the same full
+    dataset (NumPy arrays, a PyDataset, a tf.data dataset, ...): keras_dist
+    splits each global batch over the processes, so training is the
+    single-process training, row for row. To give each process its own data,
+    use `distribute_datasets_from_function` or a tf.data dataset with
+    `kd.data.AutoShardPolicy.FILE` / `OFF`. Only the chief (process 0)
+    prints progress and writes checkpoints and logs; `predict` returns the
+    full result on every process.
+
+    Example:
+
+    ```python
+    strategy = kd.MultiWorkerMirroredStrategy()   # reads TF_CONFIG / SLURM / ...
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=64 * strategy.num_replicas_in_sync, epochs=3)
+    ```
+
+    Args:
+        cluster_resolver: a `kd.cluster` resolver; defaults to detection.
+        communication_options: a `CommunicationOptions` (timeouts).
+
+    Raises:
+        ClusterConfigError: for a cluster with `ps` tasks, or a bad resolver.
+        ClusterTimeoutError: if the cluster does not form within the timeout.
+        RuntimeError: if JAX already started its devices before the cluster
+            was joined (create the strategy first).
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        communication_options: CommunicationOptions | None = None,
+    ):
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        if not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(
+                "`communication_options` must be a `kd.CommunicationOptions`. "
+                f"Received: {communication_options!r}."
+            )
+        self._communication_options = communication_options
+        resolver = _initialize.resolve(cluster_resolver)
+        if resolver.has_parameter_servers:
+            raise ClusterConfigError(
+                "MultiWorkerMirroredStrategy trains synchronously on workers only, "
+                "but the cluster has `ps` (parameter server) tasks: "
+                f'"ps": {resolver.cluster_spec["ps"]}. Parameter-server training '
+                "(tf's ParameterServerStrategy) is not supported: remove the "
+                '"ps" entries from TF_CONFIG and run every host as a worker.'
+            )
+        self._cluster_resolver = _initialize.initialize(
+            resolver,
+            timeout=communication_options.timeout_seconds,
+            implementation=communication_options.implementation,
+        )
+        _sync.set_timeout(communication_options.timeout_seconds)
+        _agree_on_seed()
+        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        super().__init__(devices)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolved cluster (addresses, this process's role)."""
+        return self._cluster_resolver
+
+    @property
+    def communication_options(self) -> CommunicationOptions:
+        return self._communication_options
+
+    @property
+    def process_id(self) -> int:
+        """This process's index, `0 ... num_processes - 1`."""
+        return jax.process_index()
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes (workers) train together."""
+        return self._process_count
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (process 0: it writes and prints)."""
+        return jax.process_index() == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiWorkerMirroredStrategy(num_processes={self.num_processes}, "
+            f"process_id={self.process_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+    __str__ = __repr__
+
+
+def _agree_on_seed() -> None:
+    """Gives every process the same random seed (Keras, NumPy, Python, TF).
+
+    Initial weights, dropout seeds and shuffling must be the same on every
+    process (tf.distribute broadcasts initial values for the same reason).
+    If the program set a seed with `keras.utils.set_random_seed` the
+    processes keep it (it is the same program); otherwise the chief picks one.
+    """
+    if jax.process_count() == 1 or _keras_compat.global_seed() is not None:
+        return
+    seed = _sync.broadcast_from_chief(
+        "random-seed", random.SystemRandom().randrange(2**31)
+    )
+    keras.utils.set_random_seed(seed)

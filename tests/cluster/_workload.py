@@ -1,0 +1,110 @@
+"""The training runs compared between 2 processes x 4 devices, 1 x 8 and 1 x 1.
+
+`fit_run` and `custom_loop_run` take any strategy and return plain numbers, so
+the multi-process script (`mwms_script.py`) and the in-process reference
+(`test_multi_worker.py`) run exactly the same code.
+"""
+
+import os
+
+import jax
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_dist as kd
+from tests._helpers import build_in_scope, initial_weights, make_data, make_model
+
+N_TRAIN, N_EVAL, BATCH, EPOCHS = 101, 37, 16, 2  # 101 = 6 * 16 + 5: partial batch.
+
+
+def _listed(weights) -> list:
+    return [np.asarray(w).tolist() for w in weights]
+
+
+def fit_run(strategy, workdir: str | None = None) -> dict:
+    """fit (NumPy and tf.data), evaluate and predict, with a partial last batch."""
+    x, y, sw = make_data(N_TRAIN)
+    weights = initial_weights(batch_norm=True)
+    model = build_in_scope(strategy, weights, batch_norm=True)
+    callbacks = []
+    if workdir is not None:
+        rank = jax.process_index()
+        callbacks = [
+            kd.callbacks.ModelCheckpoint(
+                os.path.join(workdir, "ckpt_{epoch}.weights.h5"),
+                save_weights_only=True,
+            ),
+            keras.callbacks.CSVLogger(os.path.join(workdir, f"log_{rank}.csv")),
+        ]
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        callbacks=callbacks,
+        verbose=0,
+    )
+    evaluation = model.evaluate(
+        x[:N_EVAL], y[:N_EVAL], batch_size=BATCH, return_dict=True, verbose=0
+    )
+    predictions = model.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
+
+    tf_model = build_in_scope(strategy, weights, batch_norm=True)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
+    tf_history = tf_model.fit(dataset, epochs=EPOCHS, verbose=0)
+    return {
+        "history": history.history,
+        "weights": _listed(model.get_weights()),
+        "evaluate": evaluation,
+        "predict": predictions.tolist(),
+        "tf_history": tf_history.history,
+        "tf_weights": _listed(tf_model.get_weights()),
+    }
+
+
+def custom_loop_run(strategy) -> dict:
+    """The seeds' custom loop: stateless step in `strategy.run`, SGD + momentum."""
+    x, y, _ = make_data(N_TRAIN)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    weights = initial_weights()
+    with strategy.scope():
+        model = make_model()
+        model.set_weights(weights)
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        optimizer.build(model.trainable_variables)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=None
+        )
+
+    def train_step(state, images, labels):
+        trainable, non_trainable, opt_vars = state
+
+        def loss_fn(trainable):
+            logits, _ = model.stateless_call(trainable, non_trainable, images)
+            return kd.losses.compute_average_loss(loss_object(labels, logits)), logits
+
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+        trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+        return loss, logits, (trainable, non_trainable, opt_vars)
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in optimizer.variables],
+    )
+    losses, correct = [], []
+    for _ in range(EPOCHS):
+        total, batches, right = 0.0, 0, 0
+        for images, labels in distributed:
+            loss, logits, state = strategy.run(train_step, args=(state, images, labels))
+            total += float(strategy.reduce("sum", loss, axis=None))
+            batches += 1
+            predicted = np.asarray(strategy.gather(logits, axis=0)).argmax(1)
+            right += int((predicted == np.asarray(strategy.gather(labels, 0))).sum())
+        losses.append(total / batches)
+        correct.append(right)
+    return {"losses": losses, "correct": correct, "weights": _listed(state[0])}

@@ -1,0 +1,103 @@
+"""One process of a `keras-dist-run -n 2` MultiWorkerMirroredStrategy run.
+
+Writes `result_<rank>.json` into the directory given as argument: the fit /
+custom-loop numbers (compared by the test with 1 x 8 and 1 x 1 runs), the
+weights after a shuffled fit, and the example ids every process saw under
+AutoShardPolicy.FILE and from `distribute_datasets_from_function`.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import keras_dist as kd
+
+strategy = kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=90)
+)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tests._helpers import build_in_scope, initial_weights, make_data  # noqa: E402
+from tests.cluster import _workload  # noqa: E402
+
+workdir = sys.argv[1]
+rank = jax.process_index()
+
+
+def shuffled_fit() -> list:
+    x, y, _ = make_data(_workload.N_TRAIN)
+    model = build_in_scope(strategy, initial_weights())
+    model.fit(x, y, batch_size=_workload.BATCH, epochs=2, shuffle=True, verbose=0)
+    return [np.asarray(w).tolist() for w in model.get_weights()]
+
+
+def file_sharded_ids() -> list:
+    """4 TFRecord files of 13, 13, 13 and 11 ids; FILE policy; global batch 8."""
+    folder = os.path.join(workdir, f"records_{rank}")
+    os.makedirs(folder, exist_ok=True)
+    files, start = [], 0
+    for index, size in enumerate([13, 13, 13, 11]):
+        path = os.path.join(folder, f"part-{index}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for i in range(start, start + size):
+                feature = {
+                    "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))
+                }
+                example = tf.train.Example(features=tf.train.Features(feature=feature))
+                writer.write(example.SerializeToString())
+        files.append(path)
+        start += size
+    spec = {"id": tf.io.FixedLenFeature([1], tf.int64)}
+    dataset = (
+        tf.data.TFRecordDataset(files)
+        .map(lambda record: tf.io.parse_single_example(record, spec)["id"])
+        .batch(8)
+    )
+    dataset = kd.data.with_auto_shard_policy(dataset, kd.data.AutoShardPolicy.FILE)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    seen, steps = [], 0
+    for batch in distributed:
+        seen += np.asarray(strategy.gather(batch, axis=0)).ravel().tolist()
+        steps += 1
+    return {"ids": seen, "steps": steps}
+
+
+def from_function_ids() -> dict:
+    """Process 0 brings ids 0..6, process 1 ids 100..111; per-replica batch 2."""
+
+    def dataset_fn(context):
+        if context.input_pipeline_id == 0:
+            ids = np.arange(7, dtype="float32")
+        else:
+            ids = np.arange(100, 112, dtype="float32")
+        return tf.data.Dataset.from_tensor_slices(ids[:, None]).batch(2)
+
+    distributed = strategy.distribute_datasets_from_function(dataset_fn)
+    seen, means = [], []
+    for batch in distributed:
+        seen += np.asarray(strategy.gather(batch, axis=0)).ravel().tolist()
+        mean = strategy.run(lambda b: kd.losses.compute_average_loss(b[:, 0]), (batch,))
+        means.append(float(strategy.reduce("sum", mean, axis=None)))
+    return {"ids": seen, "means": means}
+
+
+results = {
+    "rank": rank,
+    "num_processes": strategy.num_processes,
+    "replicas": strategy.num_replicas_in_sync,
+    "is_chief": strategy.is_chief,
+    "fit": _workload.fit_run(strategy, workdir),
+    "loop": _workload.custom_loop_run(strategy),
+    "shuffled": shuffled_fit(),
+    "file": file_sharded_ids(),
+    "from_function": from_function_ids(),
+}
+with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
+    json.dump(results, f)
+print(f"rank {rank} done", flush=True)

@@ -1,0 +1,128 @@
+"""MultiWorkerMirroredStrategy: 2 real processes x 4 devices vs 1 x 8 vs 1 x 1."""
+
+import functools
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from tests._helpers import assert_history_close, assert_weights_close, mirrored
+from tests.cluster import _workload
+
+HERE = pathlib.Path(__file__).parent
+pytestmark = pytest.mark.slow
+
+
+def launch(script, *args, n=2, devices=4, timeout=400, env=None):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "keras_dist.launch", "-n", str(n)]
+        + ["--devices-per-process", str(devices), str(script), *map(str, args)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("mwms")
+    result = launch(HERE / "mwms_script.py", workdir)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in (0, 1)]
+    return workdir, results
+
+
+@functools.cache
+def reference(n_devices: int):
+    strategy = kd.OneDeviceStrategy("cpu:0") if n_devices == 1 else mirrored(8)
+    return _workload.fit_run(strategy), _workload.custom_loop_run(strategy)
+
+
+def test_the_strategy_spans_both_processes(cluster):
+    _, results = cluster
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank
+        assert result["num_processes"] == 2
+        assert result["replicas"] == 8
+        assert result["is_chief"] == (rank == 0)
+
+
+@pytest.mark.parametrize("n_devices", [8, 1])
+def test_fit_evaluate_predict_match_one_process(cluster, n_devices):
+    _, results = cluster
+    expected, _ = reference(n_devices)
+    for result in results:
+        got = result["fit"]
+        assert_history_close(expected["history"], got["history"])
+        assert_weights_close(expected["weights"], got["weights"])
+        assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
+        # predict: the full result (37 rows, a partial batch) on every process.
+        np.testing.assert_allclose(
+            got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
+        )
+        assert np.asarray(got["predict"]).shape == (_workload.N_EVAL, 3)
+        # tf.data under AutoShardPolicy.AUTO: the same global batches.
+        assert_history_close(expected["tf_history"], got["tf_history"])
+        assert_weights_close(expected["tf_weights"], got["tf_weights"])
+
+
+@pytest.mark.parametrize("n_devices", [8, 1])
+def test_custom_loop_matches_one_process(cluster, n_devices):
+    _, results = cluster
+    _, expected = reference(n_devices)
+    for result in results:
+        got = result["loop"]
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        assert got["correct"] == expected["correct"]
+        assert_weights_close(expected["weights"], got["weights"])
+
+
+def test_both_processes_end_with_identical_weights(cluster):
+    _, (first, second) = cluster
+    assert first["fit"]["weights"] == second["fit"]["weights"]
+    assert first["loop"]["weights"] == second["loop"]["weights"]
+    # Shuffled NumPy input: both processes shuffle alike (the chief's state).
+    assert first["shuffled"] == second["shuffled"]
+
+
+def test_only_the_chief_writes_checkpoints_and_logs(cluster):
+    workdir, _ = cluster
+    names = sorted(p.name for p in workdir.iterdir() if p.is_file())
+    assert names == [
+        "checkpoint",
+        "ckpt_1.weights.h5",
+        "ckpt_2.weights.h5",
+        "log_0.csv",
+        "result_0.json",
+        "result_1.json",
+    ]
+    rows = (workdir / "log_0.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + _workload.EPOCHS
+
+
+def test_file_policy_reads_every_example_once(cluster):
+    _, results = cluster
+    for result in results:
+        # 4 files of 13/13/13/11 ids, 2 processes, global batch 8: process 0
+        # reads 26 ids (7 steps of 4), process 1 24 (6 steps): 7 steps for all.
+        assert sorted(result["file"]["ids"]) == list(range(50))
+        assert result["file"]["steps"] == 7
+
+
+def test_datasets_from_function_with_uneven_processes(cluster):
+    _, results = cluster
+    for result in results:
+        got = result["from_function"]
+        assert sorted(got["ids"]) == [*range(7), *range(100, 112)]
+        # Step 1: ids 0..6 and 100..107; step 2: 108..111 (process 0 is done).
+        step_1 = np.mean([*range(7), *range(100, 108)])
+        np.testing.assert_allclose(got["means"], [step_1, 109.5], rtol=1e-6)
