@@ -144,8 +144,11 @@ class _Cluster:
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
+                how = f"exited with status {code}"
+                if code < 0:
+                    how = f"was killed by {signal.Signals(-code).name}"
                 print(
-                    f"keras-dist-run: process {rank} exited with status {code}; "
+                    f"keras-dist-run: process {rank} {how}; "
                     f"stopping the other {sum(c is None for c in codes)}.",
                     file=sys.stderr,
                     flush=True,

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist import _keras_compat
+from keras_dist.cluster import _sync
 from keras_dist.data import _auto_shard, _distributed_dataset
 from keras_dist.data._input_context import InputContext
 from keras_dist.data._multi_process import global_rows
@@ -98,6 +99,17 @@ class Strategy(keras.distribution.DataParallel):
             )
         with super().scope():
             yield self
+
+    def get_variable_layout(self, variable):
+        """Keras's hook: every variable is replicated on the mesh.
+
+        With several processes, each new variable is first checked to have the
+        same shape and dtype on every process: JAX would otherwise abort in a
+        collective when the processes build different models.
+        """
+        if self._spans_processes and getattr(variable, "_layout", None) is None:
+            _check_same_variable(variable)
+        return super().get_variable_layout(variable)
 
     # The replica API (tf.distribute's names) ------------------------------
 
@@ -357,3 +369,19 @@ def _padded(size: int | None, strategy: Strategy) -> int:
     """`size` rounded up to a multiple of the replicas."""
     n = strategy.num_replicas_in_sync
     return -(-(size or 0) // n) * n
+
+
+def _check_same_variable(variable) -> None:
+    mine = [variable.path, list(variable.shape), str(variable.dtype)]
+    everyone = _sync.allgather("variable", mine)
+    if all(other[1:] == mine[1:] for other in everyone):
+        return
+    found = "; ".join(
+        f"process {p}: {path!r} of shape {tuple(shape)} and dtype {dtype}"
+        for p, (path, shape, dtype) in enumerate(everyone)
+    )
+    raise StrategyMismatchError(
+        f"The processes create different variables ({found}). With several "
+        "processes every process must run the same program and build the same "
+        "model in `strategy.scope()`."
+    )

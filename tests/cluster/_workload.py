@@ -108,3 +108,41 @@ def custom_loop_run(strategy) -> dict:
         losses.append(total / batches)
         correct.append(right)
     return {"losses": losses, "correct": correct, "weights": _listed(state[0])}
+
+
+class _KillAt(keras.callbacks.Callback):
+    """SIGKILLs this process after global train step `step` (once: a marker file)."""
+
+    def __init__(self, step: int, marker: str):
+        super().__init__()
+        self.step, self.marker, self.seen = step, marker, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.step and not os.path.exists(self.marker):
+            import signal
+            import time
+
+            with open(self.marker, "w") as f:
+                f.write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def backup_run(strategy, backup_dir: str, kill_at: int | None = None) -> list:
+    """3 epochs of 7 steps with backups every 3 steps; may kill itself once."""
+    x, y, sw = make_data(N_TRAIN)
+    model = build_in_scope(strategy, initial_weights())
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=3)]
+    if kill_at is not None:
+        callbacks.append(_KillAt(kill_at, os.path.join(backup_dir, "..", "killed")))
+    model.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=3,
+        callbacks=callbacks,
+        shuffle=False,
+        verbose=0,
+    )
+    return _listed(model.get_weights())

@@ -1,0 +1,33 @@
+"""One process of a BackupAndRestore run that may lose a worker.
+
+Args: a work directory; env KD_KILL_RANK / KD_KILL_AT make that rank SIGKILL
+itself after that many train steps (only once: a marker file remembers it).
+Writes `weights_<rank>.json` when training ends.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import keras_dist as kd
+
+strategy = kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=60)
+)
+
+import jax  # noqa: E402
+
+from tests.cluster import _workload  # noqa: E402
+
+workdir = sys.argv[1]
+rank = jax.process_index()
+kill_at = None
+if os.environ.get("KD_KILL_RANK") == str(rank):
+    kill_at = int(os.environ["KD_KILL_AT"])
+weights = _workload.backup_run(strategy, os.path.join(workdir, "backup"), kill_at)
+with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
+    json.dump(weights, f)
+print(f"rank {rank} done", flush=True)
