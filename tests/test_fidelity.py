@@ -63,18 +63,22 @@ def _run(n_devices: int, kind: str, weighted: bool, batch_size: int):
     return history.history, model.get_weights(), evaluated, predicted
 
 
+# Input kind x sample weights x global batch x replicas, each value of each
+# factor at least once and every replica count with a partial batch (97 rows:
+# a last batch of 1 at batch 16, of 7 at batch 10), within the CI budget.
 CASES = [
-    ("numpy", False, 16),
-    ("numpy", True, 16),
-    ("tf.data", False, 16),
-    ("tf.data", True, 16),
-    ("numpy", True, 10),
+    ("numpy", False, 16, 8),
+    ("numpy", True, 16, 2),
+    ("numpy", True, 16, 8),
+    ("tf.data", False, 16, 4),
+    ("tf.data", True, 16, 8),
+    ("numpy", True, 10, 2),
+    ("numpy", True, 10, 4),
 ]
 
 
-@pytest.mark.parametrize("n", REPLICA_COUNTS)
-@pytest.mark.parametrize("kind, weighted, batch_size", CASES)
-def test_mirrored_matches_one_device(n, kind, weighted, batch_size):
+@pytest.mark.parametrize("kind, weighted, batch_size, n", CASES)
+def test_mirrored_matches_one_device(kind, weighted, batch_size, n):
     ref_history, ref_weights, ref_eval, ref_pred = _run(1, kind, weighted, batch_size)
     history, weights, evaluated, predicted = _run(n, kind, weighted, batch_size)
 

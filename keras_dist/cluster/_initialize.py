@@ -125,8 +125,7 @@ def initialize(
     resolver = resolve(resolver)
     check_address(resolver)
     if resolver.num_processes == 1:
-        _STATE["resolver"] = resolver
-        return resolver
+        return resolver  # Nothing to join; a later call may still join a cluster.
     if resolver.process_id is None and resolver.source != "jax":
         raise RuntimeError(
             f"This process ({resolver.task_type}:{resolver.task_id}) is not part of "
