@@ -76,6 +76,39 @@ def test_readme_custom_training_loop_runs():
     assert out.strip().splitlines()[-1] == "True"
 
 
+def test_readme_multi_worker_example_runs_in_one_process():
+    blocks = [b for b in _python_blocks(ROOT / "README.md") if "MultiWorker" in b]
+    assert blocks, "README has no MultiWorkerMirroredStrategy example"
+    out = _run(["-c", blocks[0]])
+    assert out.strip().splitlines()[-1] == "1 (100, 3)"
+
+
+@pytest.mark.slow
+def test_readme_keras_dist_run_command_trains_on_two_processes(tmp_path):
+    text = (ROOT / "README.md").read_text()
+    command = next(
+        line for line in text.splitlines() if line.startswith("keras-dist-run -n 2")
+    )
+    assert command == (
+        "keras-dist-run -n 2 --devices-per-process 4 "
+        "examples/multi_worker_digits.py --epochs 3"
+    )
+    args = [*command.split()[1:], "--epochs", "1", "--workdir", str(tmp_path)]
+    out = _run(["-m", "keras_dist.launch", *args])
+    # The chief prints the progress (11 steps of 128) and PrintLR; nobody else.
+    assert re.search(r"^\[0\] 11/11 - .* val_accuracy", out, re.M)
+    assert "[0] Learning rate for epoch 1 is 0.003" in out
+    assert not re.search(r"^\[1\] (11/11|Learning rate)", out, re.M)
+    accuracies = re.findall(r"^\[(\d)\] process \d: test accuracy (\S+);", out, re.M)
+    assert sorted(rank for rank, _ in accuracies) == ["0", "1"]
+    assert accuracies[0][1] == accuracies[1][1]  # Same model on both processes.
+    assert "predict returned all 360 rows" in out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+        "checkpoint",
+        "ckpt_1.weights.h5",
+    ]
+
+
 @pytest.mark.slow
 def test_demo_runs_and_matches_one_device(tmp_path):
     out = _run(

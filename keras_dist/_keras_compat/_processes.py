@@ -131,7 +131,8 @@ def prepare_call(method: str, model, arguments: dict) -> None:
         if "verbose" in arguments or method in ("fit", "evaluate", "predict"):
             arguments["verbose"] = 0
         callbacks = arguments.get("callbacks")
-        if callbacks:
+        # (fit's own evaluate passes its CallbackList, already filtered.)
+        if callbacks and isinstance(callbacks, (list, tuple)):
             arguments["callbacks"] = [
                 c for c in callbacks if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
             ]
