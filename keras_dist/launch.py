@@ -6,10 +6,12 @@
 Each process gets `KERAS_DIST_COORDINATOR` (a free loopback port),
 `KERAS_DIST_NUM_PROCESSES` and `KERAS_DIST_PROCESS_ID`, which
 `kd.cluster.initialize()` (and so `MultiWorkerMirroredStrategy()`) reads.
-Output lines are prefixed with the rank. SIGINT/SIGTERM are forwarded. If a
-process exits with a non-zero status, the others are stopped (SIGTERM, then
-SIGKILL after a grace period: JAX ignores SIGTERM once it joined a cluster)
-and the launcher exits with that status — within 30 s, never hanging.
+Output lines are prefixed with the rank. SIGINT/SIGTERM are forwarded (a
+preemption: the processes get `--preemption-grace` seconds to back up and
+exit, then SIGKILL; the launcher exits with 128 + the signal). If a process
+exits with a non-zero status, the others are stopped (SIGTERM, then SIGKILL
+after 10 s: JAX ignores SIGTERM once it joined a cluster) and the launcher
+exits with that status — within 30 s, never hanging.
 """
 
 import argparse
@@ -53,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="coordinator port on 127.0.0.1 (default: a free one)",
+    )
+    parser.add_argument(
+        "--preemption-grace",
+        type=float,
+        default=60.0,
+        help="after forwarding SIGINT/SIGTERM, seconds the processes get to back "
+        "up and exit before SIGKILL (default 60)",
     )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument(
@@ -116,6 +125,7 @@ class _Cluster:
                 pump.start()
                 self.pumps.append(pump)
         self.interrupted: int | None = None
+        self.preemption_grace = args.preemption_grace
 
     def signal_all(self, signum: int) -> None:
         for process in self.processes:
@@ -123,10 +133,10 @@ class _Cluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signum)
 
-    def stop(self) -> None:
-        """SIGTERM everyone still running, then SIGKILL after the grace period."""
-        self.signal_all(signal.SIGTERM)
-        deadline = time.monotonic() + GRACE_SECONDS
+    def stop(self, signum: int = signal.SIGTERM, grace: float = GRACE_SECONDS) -> None:
+        """Signals everyone still running, then SIGKILL after `grace` seconds."""
+        self.signal_all(signum)
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(
             p.poll() is None for p in self.processes
         ):
@@ -138,7 +148,9 @@ class _Cluster:
     def run(self) -> int:
         while True:
             if self.interrupted is not None:
-                self.stop()
+                # A preemption: let every process back up (BackupAndRestore
+                # agrees on a step through JAX's preemption service) and exit.
+                self.stop(self.interrupted, self.preemption_grace)
                 return 128 + self.interrupted
             codes = [p.poll() for p in self.processes]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]

@@ -17,9 +17,6 @@ from keras_dist.callbacks._files import check_writable_dir
 
 __all__ = ["BackupAndRestore"]
 
-# Train steps of this process so far: the step ids of JAX's preemption sync
-# must grow across every fit of the program, identically on every process.
-_STEPS = {"seen": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +120,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         self._fit_initial_epoch = getattr(self.model, "_keras_dist_initial_epoch", 0)
         self._restore()
+        self._global_step = int(np.asarray(self.model.optimizer.iterations.value))
         self._install_sigterm_handler()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -228,8 +226,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             return False
         if jax.process_count() == 1:
             return self._preempted.is_set()
-        _STEPS["seen"] += 1
-        return multihost_utils.reached_preemption_sync_point(_STEPS["seen"])
+        # The step id is the optimizer's step: the numbers Orbax's own
+        # preemption checks use too (the service needs one growing sequence).
+        self._global_step += 1
+        return multihost_utils.reached_preemption_sync_point(self._global_step)
 
     def _install_sigterm_handler(self) -> None:
         if not self.save_before_preemption or jax.process_count() > 1:

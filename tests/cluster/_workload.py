@@ -6,6 +6,7 @@ the multi-process script (`mwms_script.py`) and the in-process reference
 """
 
 import os
+import time
 
 import jax
 import keras
@@ -121,18 +122,30 @@ class _KillAt(keras.callbacks.Callback):
         self.seen += 1
         if self.seen == self.step and not os.path.exists(self.marker):
             import signal
-            import time
 
             with open(self.marker, "w") as f:
                 f.write(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class _PrintSteps(keras.callbacks.Callback):
+    """Prints the step on the chief; KD_STEP_SECONDS makes each step that long.
+
+    (JAX's preemption service needs about a second to agree on a step.)
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(float(os.environ.get("KD_STEP_SECONDS", "0")))
+        if jax.process_index() == 0:
+            step = int(np.asarray(self.model.optimizer.iterations.value))
+            print(f"step {step}", flush=True)
+
+
 def backup_run(strategy, backup_dir: str, kill_at: int | None = None) -> list:
     """3 epochs of 7 steps with backups every 3 steps; may kill itself once."""
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
-    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=3)]
+    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=3), _PrintSteps()]
     if kill_at is not None:
         callbacks.append(_KillAt(kill_at, os.path.join(backup_dir, "..", "killed")))
     model.fit(

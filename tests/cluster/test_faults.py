@@ -1,6 +1,12 @@
 """Lost workers, restarts and mismatched processes, with real 2-process clusters."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -26,16 +32,60 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
     assert ended - killed_at < 30
     assert not (tmp_path / "weights_0.json").exists()
 
-    # The same command again: resumes from the last backup (step 3 of epoch 2).
-    second = launch(HERE / "fault_script.py", tmp_path, env=env)
-    assert second.returncode == 0, second.stderr[-3000:]
+    # The same command again resumes from the last backup (step 3 of epoch 2);
+    # SIGTERM to the launcher after step 13 is a preemption: all processes
+    # agree on a step, back up there and exit.
+    slow = {**env, "KD_STEP_SECONDS": "0.25"}
+    second = _preempt(HERE / "fault_script.py", tmp_path, slow, after="[0] step 13")
+    assert second.returncode == 128 + signal.SIGTERM, second.stderr[-3000:]
     assert "[0] BackupAndRestore: resuming at epoch 2, step 3" in second.stdout
+    saved = re.search(
+        r"\[0\] BackupAndRestore: preempted \(SIGTERM\); saved epoch (\d) step (\d)",
+        second.stdout,
+    )
+    assert saved, second.stdout[-3000:]
+
+    # Once more: resumes after the preemption and finishes.
+    third = launch(HERE / "fault_script.py", tmp_path, env=env)
+    assert third.returncode == 0, third.stderr[-3000:]
+    epoch, step = int(saved[1]), int(saved[2])  # 0-based epoch, steps done in it.
+    if step == 7:  # The end of an epoch resumes at the next one.
+        epoch, step = epoch + 1, 0
+    assert f"[0] BackupAndRestore: resuming at epoch {epoch + 1}, step {step}" in (
+        third.stdout
+    )
     expected = _workload.backup_run(
         kd.OneDeviceStrategy("cpu:0"), str(tmp_path / "reference")
     )
     for rank in (0, 1):
         weights = json.loads((tmp_path / f"weights_{rank}.json").read_text())
         assert_weights_close(expected, weights)
+
+
+def _preempt(script, workdir, env, *, after: str, timeout=300):
+    """Runs the launcher and sends it SIGTERM once a line `after` is printed."""
+    command = [sys.executable, "-m", "keras_dist.launch", "-n", "2"]
+    command += ["--devices-per-process", "4", str(script), str(workdir)]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ.update(env, TF_CPP_MIN_LOG_LEVEL="3")
+    process = subprocess.Popen(
+        command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    timer = threading.Timer(timeout, process.kill)
+    timer.start()
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.strip() == after:
+                process.send_signal(signal.SIGTERM)
+        stderr = process.stderr.read()
+        process.wait()
+    finally:
+        timer.cancel()
+    return subprocess.CompletedProcess(
+        command, process.returncode, "".join(lines), stderr
+    )
 
 
 @pytest.mark.parametrize(
