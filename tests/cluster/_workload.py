@@ -23,6 +23,20 @@ def _listed(weights) -> list:
     return [np.asarray(w).tolist() for w in weights]
 
 
+class _Batches(keras.utils.PyDataset):
+    """The same global batches as `fit(x, y, batch_size=BATCH, shuffle=False)`."""
+
+    def __init__(self, *arrays):
+        super().__init__()
+        self.arrays = arrays
+
+    def __len__(self):
+        return -(-len(self.arrays[0]) // BATCH)
+
+    def __getitem__(self, index):
+        return tuple(a[index * BATCH : (index + 1) * BATCH] for a in self.arrays)
+
+
 def fit_run(strategy, workdir: str | None = None) -> dict:
     """fit (NumPy and tf.data), evaluate and predict, with a partial last batch."""
     x, y, sw = make_data(N_TRAIN)
@@ -53,6 +67,11 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
     )
     predictions = model.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
 
+    py_model = build_in_scope(strategy, weights, batch_norm=True)
+    py_history = py_model.fit(
+        _Batches(x, y, sw), epochs=EPOCHS, shuffle=False, verbose=0
+    )
+
     tf_model = build_in_scope(strategy, weights, batch_norm=True)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
     tf_history = tf_model.fit(dataset, epochs=EPOCHS, verbose=0)
@@ -61,6 +80,8 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
         "weights": _listed(model.get_weights()),
         "evaluate": evaluation,
         "predict": predictions.tolist(),
+        "py_history": py_history.history,
+        "py_weights": _listed(py_model.get_weights()),
         "tf_history": tf_history.history,
         "tf_weights": _listed(tf_model.get_weights()),
     }

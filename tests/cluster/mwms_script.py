@@ -87,8 +87,19 @@ def from_function_ids() -> dict:
     return {"ids": seen, "means": means}
 
 
+def local_results() -> int:
+    per_replica = strategy.run(
+        lambda: kd.get_replica_context().replica_id_in_sync_group
+    )
+    values = strategy.experimental_local_results(per_replica)
+    ids = sorted(int(v) for v in values)
+    assert ids == [4 * rank + i for i in range(4)], ids
+    return len(values)
+
+
 results = {
     "rank": rank,
+    "local_results": local_results(),
     "num_processes": strategy.num_processes,
     "replicas": strategy.num_replicas_in_sync,
     "is_chief": strategy.is_chief,

@@ -51,6 +51,7 @@ def reference(n_devices: int):
 def test_the_strategy_spans_both_processes(cluster):
     _, results = cluster
     for rank, result in enumerate(results):
+        assert result["local_results"] == 4
         assert result["rank"] == rank
         assert result["num_processes"] == 2
         assert result["replicas"] == 8
@@ -71,6 +72,9 @@ def test_fit_evaluate_predict_match_one_process(cluster, n_devices):
             got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
         )
         assert np.asarray(got["predict"]).shape == (_workload.N_EVAL, 3)
+        # A PyDataset of the same global batches gives the same training.
+        assert_history_close(expected["history"], got["py_history"])
+        assert_weights_close(expected["weights"], got["py_weights"])
         # tf.data under AutoShardPolicy.AUTO: the same global batches.
         assert_history_close(expected["tf_history"], got["tf_history"])
         assert_weights_close(expected["tf_weights"], got["tf_weights"])
