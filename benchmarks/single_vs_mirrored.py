@@ -1,145 +1,297 @@
-"""Single device vs MirroredStrategy: training throughput of the demo CNN.
+"""Single device vs mirrored vs the peers vs the hand-written limit.
 
-Trains the tf.distribute tutorial's CNN (examples/digits_cnn.py) with the same
-global batch on `OneDeviceStrategy` and on `MirroredStrategy` over 2, 4, 8...
-devices, times the epochs after the first (compilation excluded), and prints a
-table and writes it as JSON. Each run also reports its final loss, which must
-be the same for every strategy (exactness is tested in tests/test_fidelity.py;
-here it shows the runs did the same work).
+Trains each model at the same global batch in six configurations, each in its
+own fresh process (`benchmarks/_worker.py`), compilation excluded, several
+timed epochs (median, min-max):
 
-On CPU the "devices" are virtual (XLA_FLAGS=--xla_force_host_platform_device_count)
-and share the machine's cores, so no speed-up is expected there: the numbers
-measure keras_dist's overhead. On GPUs/TPUs they measure the scaling.
+    A  Keras fit, one device (OneDeviceStrategy)
+    B  keras_dist MirroredStrategy fit, all devices
+    C  Keras 3's keras.distribution.DataParallel fit, same devices
+    D  tf.distribute.MirroredStrategy + Keras on the TF backend (if installed)
+    E  the limit: hand-written jax.jit + optax step, data on device ahead of time
+    F  keras_dist custom training loop (strategy.run), same mesh
 
-    python benchmarks/single_vs_mirrored.py [--epochs 4] [--global-batch 128]
+then B over 1, 2, 4, 8 devices (scaling). Prints tables and PASS/MISS per
+target, writes JSON, Markdown and a PNG (matplotlib) to `--out`.
+
+    python benchmarks/single_vs_mirrored.py --quick          # <= 3 min, 2 cores
+    python benchmarks/single_vs_mirrored.py                  # full
+    python benchmarks/single_vs_mirrored.py --platform gpu --devices 4
 """
 
 import argparse
+import concurrent.futures
+import datetime
 import json
 import os
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
-import time
 
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
-import jax
-import keras
-
-import keras_dist as kd
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-from digits_cnn import create_model, load_data
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIGS = "ABCDEF"
+NAMES = {
+    "A": "Keras fit, 1 device",
+    "B": "keras_dist MirroredStrategy fit",
+    "C": "keras.distribution.DataParallel fit",
+    "D": "tf.distribute.MirroredStrategy (TF backend)",
+    "E": "hand-written jax.jit + optax (limit)",
+    "F": "keras_dist custom loop (strategy.run)",
+}
+BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 
 
-class _EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds.append(time.perf_counter() - self._start)
-
-
-def run(strategy, data, weights, *, global_batch, epochs):
-    x_train, _, y_train, _ = data
-    with strategy.scope():
-        model = create_model()
-        model.set_weights(weights)
-        model.compile(
-            optimizer="adam",
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    timer = _EpochTimer()
-    history = model.fit(
-        x_train,
-        y_train,
-        batch_size=global_batch,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=[timer],
+def _parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="cnn + tiny, short runs")
+    p.add_argument("--models", default=None, help="comma list of tiny,cnn,resnet")
+    p.add_argument("--configs", default=CONFIGS)
+    p.add_argument("--steps", type=int, default=None, help="steps per timed epoch")
+    p.add_argument("--repeats", type=int, default=None, help="timed epochs")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
+    p.add_argument("--scaling", default="1,2,4,8", help="device counts for B ('' off)")
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (>1 only for smoke tests: runs then share the cores)",
     )
-    steady = timer.seconds[1:] or timer.seconds
-    epoch_s = statistics.median(steady)
+    return p
+
+
+def _tf_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
+
+
+def run_config(config, model, devices, args) -> dict:
+    batch = BATCH[model]
+    command = [sys.executable, str(HERE / "_worker.py"), config, model]
+    command += [str(devices), str(args.steps), str(args.repeats), str(batch)]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["KD_BENCH_PLATFORM"] = args.platform
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=args.timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {
+            "config": config,
+            "model": model,
+            "devices": devices,
+            "error": "timeout",
+        }
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"config": config, "model": model, "devices": devices, "error": tail}
+    row = json.loads(lines[-1][len("RESULT ") :])
+    times = row["ms_per_step"]
+    row["ms_median"] = statistics.median(times)
+    row["ms_min"], row["ms_max"] = min(times), max(times)
+    row["steps_per_s"] = 1e3 / row["ms_median"]
+    row["examples_per_s"] = batch * row["steps_per_s"]
+    return row
+
+
+def _ratio(rows, model, top, bottom):
+    a, b = rows.get((model, top)), rows.get((model, bottom))
+    if not a or not b or "error" in a or "error" in b:
+        return None
+    return a["ms_median"] / b["ms_median"]
+
+
+def analyse(rows: dict, scaling: list, models) -> dict:
+    ratios = {
+        model: {
+            f"{x}/{y}": _ratio(rows, model, x, y)
+            for x, y in (("B", "A"), ("B", "C"), ("B", "D"), ("B", "E"), ("F", "E"))
+        }
+        for model in models
+    }
+    curve = {r["devices"]: r["ms_median"] for r in scaling if "error" not in r}
+    efficiency = {
+        n: (curve[1] / ms) / n if 1 in curve else None for n, ms in curve.items()
+    }
+
+    def target(name, value, limit, lower_is_better=True):
+        ok = value is not None and (
+            value <= limit if lower_is_better else value >= limit
+        )
+        return {"target": name, "value": value, "limit": limit, "pass": ok}
+
+    cnn, tiny = ratios.get("cnn", {}), rows.get(("tiny", "B"))
+    targets = [
+        target("cnn B/E ms/step <= 1.05", cnn.get("B/E"), 1.05),
+        target("cnn B/C ms/step <= 1.00 (B <= C)", cnn.get("B/C"), 1.0),
+        target("cnn B/A ms/step <= 1.10", cnn.get("B/A"), 1.10),
+        target(
+            "cnn D/B >= 3 (B 3x faster than tf.distribute)",
+            1 / cnn["B/D"] if cnn.get("B/D") else None,
+            3.0,
+            lower_is_better=False,
+        ),
+        target(
+            "tiny B ms/step <= 1.5",
+            tiny["ms_median"] if tiny and "error" not in tiny else None,
+            1.5,
+        ),
+    ]
     return {
-        "strategy": repr(strategy),
-        "replicas": strategy.num_replicas_in_sync,
-        "first_epoch_s": round(timer.seconds[0], 4),
-        "epoch_s": round(epoch_s, 4),
-        "examples_per_s": round(len(x_train) / epoch_s, 1),
-        "final_loss": float(history.history["loss"][-1]),
+        "ratios": ratios,
+        "scaling": curve,
+        "efficiency": efficiency,
+        "targets": targets,
     }
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=128)
-    parser.add_argument("--out", default=str(RESULTS / "single_vs_mirrored.json"))
-    args = parser.parse_args(argv)
+def _fmt(value, digits=2):
+    return "n/a" if value is None else f"{value:.{digits}f}"
 
-    data = load_data()
-    keras.utils.set_random_seed(0)
-    weights = create_model().get_weights()
-    local = jax.local_devices()
-    strategies = [kd.OneDeviceStrategy(local[0])]
-    n = 2
-    while n <= len(local):
-        strategies.append(kd.MirroredStrategy(local[:n]))
-        n *= 2
-    rows = [
-        run(s, data, weights, global_batch=args.global_batch, epochs=args.epochs)
-        for s in strategies
+
+def markdown(payload: dict) -> str:
+    out = [
+        f"Measured {payload['date']} on {payload['machine']}; "
+        f"{payload['steps']} steps x {payload['repeats']} timed epochs per config.",
+        "",
+        "| model | config | ms/step (median) | min-max | steps/s | examples/s "
+        "| peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    base = rows[0]["epoch_s"]
-    print(
-        f"digits CNN, {len(data[0])} images, global batch {args.global_batch}, "
-        f"{args.epochs} epochs, {local[0].platform} x{len(local)}"
-    )
-    print(
-        f"{'replicas':>8} {'epoch s':>9} {'examples/s':>11} {'vs 1':>6} "
-        f"{'1st epoch s':>12} {'final loss':>11}"
-    )
-    for row in rows:
-        row["speedup"] = round(base / row["epoch_s"], 3)
-        print(
-            f"{row['replicas']:>8} {row['epoch_s']:>9.3f} "
-            f"{row['examples_per_s']:>11.1f} "
-            f"{row['speedup']:>6.2f} {row['first_epoch_s']:>12.2f} "
-            f"{row['final_loss']:>11.6f}"
+    for r in payload["rows"]:
+        name = f"{r['config']} {NAMES[r['config']]}"
+        if "error" in r:
+            out.append(f"| {r['model']} | {name} | failed: {r['error']} | | | | |")
+            continue
+        out.append(
+            f"| {r['model']} | {name} | {r['ms_median']:.2f} | "
+            f"{r['ms_min']:.2f}-{r['ms_max']:.2f} | {r['steps_per_s']:.1f} | "
+            f"{r['examples_per_s']:.0f} | {r['peak_rss_mb']:.0f} |"
         )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out += [
+        "",
+        "| model | B/A | B/C | B/D | B/E | F/E |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for model, ratios in payload["analysis"]["ratios"].items():
+        out.append(
+            f"| {model} | " + " | ".join(_fmt(v) for v in ratios.values()) + " |"
+        )
+    analysis = payload["analysis"]
+    if analysis["scaling"]:
+        model = payload["scaling_model"]
+        out += [
+            "",
+            f"| devices (B, {model}) | ms/step | efficiency |",
+            "|---:|---:|---:|",
+        ]
+        for n, ms in sorted(analysis["scaling"].items()):
+            out.append(f"| {n} | {ms:.2f} | {_fmt(analysis['efficiency'][n])} |")
+    out += ["", "| target | value | result |", "|---|---:|---|"]
+    for t in analysis["targets"]:
+        verdict = "PASS" if t["pass"] else "MISS"
+        out.append(f"| {t['target']} | {_fmt(t['value'])} | {verdict} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(payload: dict, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return False
+    rows = [r for r in payload["rows"] if "error" not in r]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(models))
+    for i, model in enumerate(models):
+        mine = {r["config"]: r["ms_median"] for r in rows if r["model"] == model}
+        xs = [CONFIGS.index(c) + i * width for c in mine]
+        axes[0].bar(xs, list(mine.values()), width=width, label=model)
+    axes[0].set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(CONFIGS))], list(CONFIGS)
+    )
+    axes[0].set_ylabel("ms / step (median)")
+    axes[0].set_yscale("log")
+    axes[0].set_title("ms/step per configuration")
+    axes[0].legend()
+    curve = payload["analysis"]["scaling"]
+    if curve:
+        ns = sorted(curve)
+        axes[1].plot(ns, [curve[n] for n in ns], marker="o", label="B: keras_dist fit")
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xlabel("devices (same global batch)")
+        axes[1].set_ylabel("ms / step")
+        axes[1].set_title(f"scaling, {payload['scaling_model']}")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> dict:
+    args = _parser().parse_args(argv)
+    models = (args.models or ("cnn,tiny" if args.quick else "cnn,resnet,tiny")).split(
+        ","
+    )
+    args.steps = args.steps or (20 if args.quick else 50)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    configs = [c for c in args.configs if c != "D" or _tf_installed()]
+    scaling_model = "cnn" if "cnn" in models else models[0]
+    jobs = [(model, config, args.devices) for model in models for config in configs]
+    counts = [int(v) for v in args.scaling.split(",") if v]
+    jobs += [(scaling_model, "B", n) for n in counts if n != args.devices]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {
+            job: pool.submit(run_config, job[1], job[0], job[2], args) for job in jobs
+        }
+        results = {}
+        for job, future in futures.items():
+            results[job] = future.result()
+            print(_line(results[job]), flush=True)
+    rows = {(m, c): results[(m, c, args.devices)] for m in models for c in configs}
+    scaling = [results[(scaling_model, "B", n)] for n in counts]
     payload = {
         "benchmark": "single_vs_mirrored",
-        "platform": local[0].platform,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "versions": {
-            "jax": jax.__version__,
-            "keras": keras.__version__,
-            "keras_dist": kd.__version__,
-        },
-        "global_batch": args.global_batch,
-        "epochs": args.epochs,
-        "rows": rows,
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.platform} "
+        f"x {args.devices}" + (" (virtual devices)" if args.platform == "cpu" else ""),
+        "python": platform.python_version(),
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "models": models,
+        "rows": list(rows.values()),
+        "scaling_model": scaling_model,
+        "scaling_rows": scaling,
     }
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    tmp.replace(out)
-    print(f"wrote {out}")
+    payload["analysis"] = analyse(rows, scaling, models)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(payload)
+    print("\n" + text)
+    (out / "single_vs_mirrored.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "single_vs_mirrored.md").write_text(text)
+    if plot(payload, out / "single_vs_mirrored.png"):
+        print(f"wrote {out / 'single_vs_mirrored.png'}")
+    print(f"wrote {out / 'single_vs_mirrored.json'} and .md")
     return payload
+
+
+def _line(row: dict) -> str:
+    head = f"{row['model']:>7} {row['config']} x{row['devices']}"
+    if "error" in row:
+        return f"{head}: FAILED {row['error']}"
+    return f"{head}: {row['ms_median']:8.2f} ms/step ({row['examples_per_s']:.0f} ex/s)"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import callbacks, cluster, data, errors, losses  # noqa: E402
+from keras_dist import callbacks, cluster, data, errors, losses, utils  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     CommunicationOptions,
@@ -48,4 +48,5 @@ __all__ = [
     "errors",
     "get_replica_context",
     "losses",
+    "utils",
 ]

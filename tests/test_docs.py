@@ -167,17 +167,35 @@ def test_notebook_runs():
 
 
 @pytest.mark.slow
-def test_benchmark_prints_a_table_and_writes_json(tmp_path):
-    out_file = tmp_path / "bench.json"
-    out = _run(
-        ["benchmarks/single_vs_mirrored.py", "--epochs", "2", "--out", str(out_file)]
-    )
-    assert "replicas   epoch s  examples/s   vs 1" in out
-    result = json.loads(out_file.read_text())
-    assert [row["replicas"] for row in result["rows"]] == [1, 2, 4, 8]
-    losses = [row["final_loss"] for row in result["rows"]]
-    assert max(losses) - min(losses) < 1e-5 * max(losses)
-    assert all(row["examples_per_s"] > 0 for row in result["rows"])
+def test_benchmark_quick_mode_writes_its_tables(tmp_path):
+    """Smoke test of every configuration (2 steps each): the schema, not speed."""
+    args = ["--quick", "--steps", "2", "--repeats", "1", "--models", "tiny"]
+    args += ["--scaling", "1,8", "--jobs", "2", "--out", str(tmp_path)]
+    out = _run(["benchmarks/single_vs_mirrored.py", *args])
+    payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
+    rows = {row["config"]: row for row in payload["rows"]}
+    assert sorted(rows) == list("ABCDEF")
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["model"] == "tiny" and row["steps"] == 2
+        assert len(row["ms_per_step"]) == 1 and row["ms_median"] > 0
+        assert row["examples_per_s"] > 0 and row["peak_rss_mb"] > 0
+    # A, B and C train the same Keras model (same initial weights) alike.
+    losses = [rows[c]["final_loss"] for c in "ABC"]
+    assert max(losses) - min(losses) < 1e-3 * max(losses)
+    assert set(rows["B"]["scaling_report"]) == {
+        "compile_seconds",
+        "input_ms_per_step",
+        "input_fraction",
+    }
+    analysis = payload["analysis"]
+    assert set(analysis["ratios"]["tiny"]) == {"B/A", "B/C", "B/D", "B/E", "F/E"}
+    assert sorted(int(n) for n in analysis["scaling"]) == [1, 8]
+    assert [t["target"] for t in analysis["targets"]][-1] == "tiny B ms/step <= 1.5"
+    assert all(isinstance(t["pass"], bool) for t in analysis["targets"])
+    assert "| target | value | result |" in out
+    assert (tmp_path / "single_vs_mirrored.md").read_text().count("| tiny |") >= 6
+    assert (tmp_path / "single_vs_mirrored.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Seam 1: partial batches — pad and shard on the host, cut back in the step."""
 
+import time
 from collections.abc import Callable
 
 import keras
@@ -62,6 +63,7 @@ def _get_distributed_iterator(self, distribution):
         )
         return
     index = -1
+    stats, start = distribution._input_stats, time.perf_counter()
     for index, data in enumerate(batches):
         if index < skip:
             continue
@@ -70,7 +72,10 @@ def _get_distributed_iterator(self, distribution):
             distribution._observed_batch_size = batch_size_of(data)
             if distribution._spans_processes:
                 check_pass_start(data, source, channel + "/start")
-        yield distribution._distribute_batch(data)
+        batch = distribution._distribute_batch(data)
+        stats.record(time.perf_counter() - start, first=index == skip)
+        yield batch
+        start = time.perf_counter()
     if distribution._spans_processes:
         check_pass_end(index + 1, source, channel + "/end")
 

@@ -18,7 +18,6 @@ from keras_dist.callbacks._files import check_writable_dir
 __all__ = ["BackupAndRestore"]
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ResumePlan:
     """Where the data of a resumed `fit` must start.

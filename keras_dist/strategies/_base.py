@@ -13,6 +13,7 @@ from keras_dist import _keras_compat
 from keras_dist.cluster import _sync
 from keras_dist.data import _auto_shard, _distributed_dataset
 from keras_dist.data._input_context import InputContext
+from keras_dist.data._input_stats import InputStats
 from keras_dist.data._multi_process import global_rows
 from keras_dist.data._partial_batch import (
     as_padded_batch,
@@ -65,6 +66,7 @@ class Strategy(keras.distribution.DataParallel):
         self._process_count = len({d.process_index for d in self.devices})
         self._spans_processes = self._process_count > 1
         self._row_ranges: dict[int, slice] = {}
+        self._input_stats = InputStats()  # Host time of fit's input (ScalingReport).
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -1,0 +1,273 @@
+"""One benchmark configuration, run in a fresh process; prints one JSON line.
+
+    python benchmarks/_worker.py CONFIG MODEL DEVICES STEPS REPEATS GLOBAL_BATCH
+
+CONFIG is one of
+    A  Keras fit on one device (keras_dist OneDeviceStrategy)
+    B  keras_dist MirroredStrategy fit on DEVICES devices
+    C  Keras 3's keras.distribution.DataParallel fit on the same devices
+    D  TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
+       (DEVICES logical CPU devices, or the GPUs)
+    E  the limit: a hand-written jax.jit + optax step over the same mesh, the
+       data laid out on the devices ahead of time
+    F  keras_dist custom training loop (strategy.run) on the same mesh
+
+Every configuration trains MODEL on the same synthetic data at the same global
+batch for 1 + REPEATS epochs of STEPS steps; the first epoch (compilation) is
+not timed. Prints `RESULT {json}` with the ms/step of each timed epoch.
+"""
+
+import json
+import os
+import resource
+import sys
+import time
+
+CONFIG, MODEL = sys.argv[1], sys.argv[2]
+DEVICES, STEPS, REPEATS, BATCH = (int(v) for v in sys.argv[3:7])
+PLATFORM = os.environ.get("KD_BENCH_PLATFORM", "cpu")
+
+if PLATFORM == "cpu":
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+SHAPES = {"tiny": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3)}
+
+
+def make_model(keras, name):
+    layers = keras.layers
+    inputs = keras.Input(SHAPES[name])
+    if name == "tiny":  # Isolates per-step framework overhead.
+        outputs = layers.Dense(10)(layers.Flatten()(inputs))
+    elif name == "cnn":  # The seeds' MNIST CNN.
+        x = layers.Conv2D(32, 3, activation="relu")(inputs)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Dense(64, activation="relu")(layers.Flatten()(x))
+        outputs = layers.Dense(10)(x)
+    else:  # A small ResNet: the compute-heavier model.
+        x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+        for filters in (32, 64):
+            strides = 1 if filters == 32 else 2
+            shortcut = layers.Conv2D(filters, 1, strides=strides)(x)
+            y = layers.Conv2D(filters, 3, strides=strides, padding="same")(x)
+            y = layers.Activation("relu")(layers.BatchNormalization()(y))
+            y = layers.Conv2D(filters, 3, padding="same")(y)
+            x = layers.Activation("relu")(layers.Add()([shortcut, y]))
+        outputs = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
+    return keras.Model(inputs, outputs)
+
+
+def make_data():
+    rng = np.random.RandomState(0)
+    n = STEPS * BATCH
+    x = rng.rand(n, *SHAPES[MODEL]).astype("float32")
+    y = rng.randint(0, 10, size=n).astype("int32")
+    return x, y
+
+
+def fit_and_time(keras, model, x, y, extra_callbacks=()):
+    class EpochTimer(keras.callbacks.Callback):
+        seconds: list = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):  # Keras waits for results here.
+            self.seconds.append(time.perf_counter() - self.start)
+
+    timer = EpochTimer()
+    history = model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=1 + REPEATS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[timer, *extra_callbacks],
+    )
+    return timer.seconds, float(history.history["loss"][-1])
+
+
+def compile_model(keras, model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def run_keras_fit():
+    import keras
+
+    import keras_dist as kd
+
+    x, y = make_data()
+    keras.utils.set_random_seed(0)
+    devices = kd.MirroredStrategy().devices[:DEVICES]
+    extra, report = (), None
+    if CONFIG == "A":
+        strategy = kd.OneDeviceStrategy(devices[0])
+    elif CONFIG == "B":
+        strategy = kd.MirroredStrategy(list(devices))
+    else:  # C: Keras's own data parallelism, no keras_dist involved.
+        strategy = keras.distribution.DataParallel(devices=list(devices))
+    with strategy.scope():
+        model = compile_model(keras, make_model(keras, MODEL))
+    if CONFIG in ("A", "B"):
+        report = kd.utils.ScalingReport(print_summary=False)
+        extra = (report,)
+    seconds, loss = fit_and_time(keras, model, x, y, extra)
+    return seconds, loss, report.result if report else None
+
+
+def run_tf_fit():
+    import tensorflow as tf
+
+    if PLATFORM == "cpu":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * DEVICES
+        )
+        names = [f"/cpu:{i}" for i in range(DEVICES)]
+    else:
+        names = [f"/gpu:{i}" for i in range(DEVICES)]
+    import keras
+
+    x, y = make_data()
+    keras.utils.set_random_seed(0)
+    strategy = tf.distribute.MirroredStrategy(names)
+    with strategy.scope():
+        model = compile_model(keras, make_model(keras, MODEL))
+    seconds, loss = fit_and_time(keras, model, x, y)
+    return seconds, loss, None
+
+
+def run_jax_loop():
+    import jax
+    import keras
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    import keras_dist as kd
+
+    x, y = make_data()
+    keras.utils.set_random_seed(0)
+    model = make_model(keras, MODEL)
+    devices = jax.devices()[:DEVICES]
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer = optax.adam(1e-3)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    if CONFIG == "E":
+        mesh = Mesh(np.array(devices), ("batch",))
+        replicated = NamedSharding(mesh, PartitionSpec())
+        rows = NamedSharding(mesh, PartitionSpec(None, "batch"))
+
+        @jax.jit
+        def step(state, xb, yb):
+            trainable, non_trainable, opt_state = state
+
+            def loss_of(trainable):
+                logits, non_trainable_new = model.stateless_call(
+                    trainable, non_trainable, xb, training=True
+                )
+                return loss_fn(yb, logits), non_trainable_new
+
+            (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                trainable
+            )
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            return loss, (
+                optax.apply_updates(trainable, updates),
+                non_trainable,
+                opt_state,
+            )
+
+        state = jax.device_put(
+            (trainable, non_trainable, optimizer.init(trainable)), replicated
+        )
+        xs = jax.device_put(x.reshape(STEPS, BATCH, *x.shape[1:]), rows)
+        ys = jax.device_put(y.reshape(STEPS, BATCH), rows)
+        batches = [(xs[i], ys[i]) for i in range(STEPS)]
+        jax.block_until_ready(batches)
+
+        def epoch(state):
+            for xb, yb in batches:
+                loss, state = step(state, xb, yb)
+            return jax.block_until_ready((loss, state))
+    else:  # F: keras_dist's replica API, input through a distributed dataset.
+        strategy = kd.MirroredStrategy(list(devices))
+        batches = [
+            (x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)
+        ]
+        dataset = strategy.experimental_distribute_dataset(batches)
+        per_example = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=None
+        )
+
+        def replica_step(state, xb, yb):
+            trainable, non_trainable, opt_state = state
+
+            def loss_of(trainable):
+                logits, non_trainable_new = model.stateless_call(
+                    trainable, non_trainable, xb, training=True
+                )
+                loss = kd.losses.compute_average_loss(per_example(yb, logits))
+                return loss, non_trainable_new
+
+            (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
+                trainable
+            )
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            new = (optax.apply_updates(trainable, updates), non_trainable, opt_state)
+            return kd.get_replica_context().all_reduce("sum", loss), new
+
+        state = jax.device_put(
+            (trainable, non_trainable, optimizer.init(trainable)), strategy._replicated
+        )
+
+        def epoch(state):
+            for xb, yb in dataset:
+                loss, state = strategy.run(replica_step, args=(state, xb, yb))
+            return jax.block_until_ready((loss, state))
+
+    seconds = []
+    for _ in range(1 + REPEATS):
+        start = time.perf_counter()
+        loss, state = epoch(state)
+        seconds.append(time.perf_counter() - start)
+    return seconds, float(loss), None
+
+
+def main():
+    runner = {"A": run_keras_fit, "B": run_keras_fit, "C": run_keras_fit}
+    runner.update(D=run_tf_fit, E=run_jax_loop, F=run_jax_loop)
+    seconds, loss, report = runner[CONFIG]()
+    timed = seconds[1:]
+    result = {
+        "config": CONFIG,
+        "model": MODEL,
+        "devices": DEVICES,
+        "steps": STEPS,
+        "global_batch": BATCH,
+        "first_epoch_s": seconds[0],
+        "ms_per_step": [s / STEPS * 1e3 for s in timed],
+        "final_loss": loss,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if report is not None:
+        result["scaling_report"] = {
+            k: report[k]
+            for k in ("compile_seconds", "input_ms_per_step", "input_fraction")
+        }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

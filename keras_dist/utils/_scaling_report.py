@@ -1,0 +1,167 @@
+"""`ScalingReport`: how fast a `fit` runs, and what holds it back."""
+
+import statistics
+import sys
+import time
+
+import jax
+import keras
+
+__all__ = ["ScalingReport"]
+
+
+class ScalingReport(keras.callbacks.Callback):
+    """Measures a `fit`: step time, throughput, input time, compile time.
+
+    Add it to any `fit` (with or without a keras_dist strategy). It never
+    blocks a step: Keras dispatches JAX steps asynchronously, so step times
+    come from whole epochs (Keras waits for the results at each epoch end),
+    minus validation; the first epoch, which compiles, is reported apart.
+    With a keras_dist strategy it also reads the host time spent producing
+    each batch (read, pad, lay out over the devices): when that is more than
+    `input_bound_fraction` of the step, the run is input-bound and the
+    summary says so.
+
+    After `fit`, `report.result` holds the numbers (a dict); with
+    `print_summary=True` the chief prints them as one screen.
+
+    Example:
+
+    ```python
+    report = kd.utils.ScalingReport()
+    model.fit(x, y, batch_size=256, epochs=3, callbacks=[report])
+    report.result["ms_per_step"], report.result["examples_per_second"]
+    ```
+
+    Args:
+        print_summary: print the summary at the end of `fit` (chief only).
+        input_bound_fraction: input time / step time above which the run is
+            called input-bound. Defaults to 0.5.
+
+    Raises:
+        ValueError: if `input_bound_fraction` is not in (0, 1].
+    """
+
+    def __init__(self, print_summary: bool = True, input_bound_fraction: float = 0.5):
+        super().__init__()
+        if not 0 < input_bound_fraction <= 1:
+            raise ValueError(
+                "`input_bound_fraction` must be in (0, 1]. Received: "
+                f"input_bound_fraction={input_bound_fraction!r}."
+            )
+        self.print_summary = print_summary
+        self.input_bound_fraction = input_bound_fraction
+        self.result: dict = {}
+
+    # Measuring -------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        from keras_dist.strategies._ownership import strategy_of_model
+
+        self._strategy = strategy_of_model(self.model)
+        if self._strategy is not None:
+            self._strategy._input_stats.reset()
+        self._epochs: list[tuple[float, int]] = []  # (train seconds, steps)
+        self._first_step = None
+        self._start = time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.perf_counter()
+        self._epoch_steps = 0
+        self._validation = 0.0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        now = time.perf_counter()
+        if self._epoch_steps == 1 and not self._epochs:
+            self._first_step = now - self._epoch_start  # Includes compilation.
+        self._epoch_steps += 1
+
+    def on_test_begin(self, logs=None):
+        self._test_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        self._validation += time.perf_counter() - self._test_start
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Keras has waited for this epoch's results: the time is real.
+        seconds = time.perf_counter() - self._epoch_start - self._validation
+        self._epochs.append((seconds, self._epoch_steps))
+
+    def on_train_end(self, logs=None):
+        self.result = self._summarize(time.perf_counter() - self._start)
+        if self.print_summary and jax.process_index() == 0:
+            print(self.format(), file=sys.stdout, flush=True)
+
+    # Reporting -------------------------------------------------------------
+
+    def _summarize(self, total: float) -> dict:
+        strategy = self._strategy
+        batch = getattr(strategy, "_observed_batch_size", None)
+        if batch is None:
+            batch = self.params.get("batch_size") if self.params else None
+        steady = [s / n for s, n in self._epochs[1:] if n]
+        first_seconds, first_steps = self._epochs[0] if self._epochs else (0.0, 0)
+        if not steady and first_steps > 1 and self._first_step is not None:
+            steady = [(first_seconds - self._first_step) / (first_steps - 1)]
+        step = statistics.median(steady) if steady else None
+        compile_seconds = None
+        if self._first_step is not None and step is not None:
+            compile_seconds = max(0.0, self._first_step - step)
+        input_step = None
+        if strategy is not None:
+            input_step = strategy._input_stats.seconds_per_batch
+        fraction = input_step / step if input_step is not None and step else None
+        return {
+            "strategy": repr(strategy) if strategy is not None else None,
+            "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
+            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "global_batch": batch,
+            "epochs": len(self._epochs),
+            "steps": sum(n for _, n in self._epochs),
+            "ms_per_step": None if step is None else step * 1e3,
+            "ms_per_step_epochs": [s * 1e3 for s in steady],
+            "steps_per_second": None if not step else 1.0 / step,
+            "examples_per_second": None if not step or not batch else batch / step,
+            "compile_seconds": compile_seconds,
+            "input_ms_per_step": None if input_step is None else input_step * 1e3,
+            "input_fraction": fraction,
+            "input_bound": bool(
+                fraction is not None and fraction > self.input_bound_fraction
+            ),
+            "total_seconds": total,
+        }
+
+    def format(self) -> str:
+        """The one-screen summary of `result`."""
+        r = self.result
+
+        def number(value, unit="", digits=2):
+            return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+
+        lines = [
+            "ScalingReport",
+            f"  strategy        {r['strategy'] or 'none (plain Keras)'}",
+            f"  devices         {r['devices']}, replicas {r['replicas']}",
+            f"  global batch    {r['global_batch']}",
+            f"  steps           {r['steps']} in {r['epochs']} epochs "
+            f"({number(r['total_seconds'], ' s', 1)})",
+            f"  step time       {number(r['ms_per_step'], ' ms')} "
+            "(median over the epochs after the first)",
+            f"  throughput      {number(r['steps_per_second'], ' steps/s', 1)}, "
+            f"{number(r['examples_per_second'], ' examples/s', 0)}",
+            f"  compile         {number(r['compile_seconds'], ' s')}",
+            f"  input (host)    {number(r['input_ms_per_step'], ' ms/step')}"
+            + (
+                ""
+                if r["input_fraction"] is None
+                else f" = {r['input_fraction']:.0%} of the step"
+            ),
+        ]
+        if r["input_bound"]:
+            lines.append(
+                "  INPUT-BOUND: producing a batch takes "
+                f"{r['input_fraction']:.0%} of the step. Feed device-ready "
+                "batches: a tf.data pipeline with .prefetch(), larger batches, "
+                "or PyDataset(workers=...)."
+            )
+        return "\n".join(lines)
