@@ -246,7 +246,12 @@ def main(argv=None) -> dict:
     )
     args.steps = args.steps or (20 if args.quick else 50)
     args.repeats = args.repeats or (2 if args.quick else 5)
-    configs = [c for c in args.configs if c != "D" or _tf_installed()]
+    # D needs TensorFlow; on TPU tf.distribute would need TPUStrategy: skipped.
+    configs = [
+        c
+        for c in args.configs
+        if c != "D" or (_tf_installed() and args.platform != "tpu")
+    ]
     scaling_model = "cnn" if "cnn" in models else models[0]
     jobs = [(model, config, args.devices) for model in models for config in configs]
     counts = [int(v) for v in args.scaling.split(",") if v]
