@@ -14,7 +14,7 @@ timed epochs (median, min-max):
 then B over 1, 2, 4, 8 devices (scaling). Prints tables and PASS/MISS per
 target, writes JSON, Markdown and a PNG (matplotlib) to `--out`.
 
-    python benchmarks/single_vs_mirrored.py --quick          # <= 3 min, 2 cores
+    python benchmarks/single_vs_mirrored.py --quick          # ~3 min, 2 cores
     python benchmarks/single_vs_mirrored.py                  # full
     python benchmarks/single_vs_mirrored.py --platform gpu --devices 4
 """
@@ -52,7 +52,11 @@ def _parser():
     p.add_argument("--repeats", type=int, default=None, help="timed epochs")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
-    p.add_argument("--scaling", default="1,2,4,8", help="device counts for B ('' off)")
+    p.add_argument(
+        "--scaling",
+        default=None,
+        help="device counts for B ('' off; default 1,2,4,8, quick: 1,8)",
+    )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument(
@@ -244,7 +248,9 @@ def main(argv=None) -> dict:
     models = (args.models or ("cnn,tiny" if args.quick else "cnn,resnet,tiny")).split(
         ","
     )
-    args.steps = args.steps or (20 if args.quick else 50)
+    args.steps = args.steps or (10 if args.quick else 50)
+    if args.scaling is None:
+        args.scaling = "1,8" if args.quick else "1,2,4,8"
     args.repeats = args.repeats or (2 if args.quick else 5)
     # D needs TensorFlow; on TPU tf.distribute would need TPUStrategy: skipped.
     configs = [
