@@ -15,6 +15,7 @@ from keras_dist.data._multi_process import (
     check_pass_start,
 )
 from keras_dist.data._partial_batch import batch_size_of, unpadding
+from keras_dist.data._prefetch import Prefetcher
 
 __all__ = ["_distribute_data", "_get_distributed_iterator", "_jit", "current_strategy"]
 
@@ -43,18 +44,27 @@ def _distribute_data(data, layouts=None):
 
 
 def _get_distributed_iterator(self, distribution):
-    """Keras's per-pass batch iterator, with keras_dist's checks and padding."""
+    """Keras's per-pass batch iterator, with keras_dist's checks and padding.
+
+    The batches are produced one step ahead on a background thread (read,
+    pad, laid out on the devices while the previous step runs), started at
+    the first `next()` so that a resume's replay follows Keras's set-up.
+    """
     from keras_dist.strategies._base import Strategy
 
     if not isinstance(distribution, Strategy):
-        yield from _originals["_get_distributed_iterator"](self, distribution)
-        return
+        return _originals["_get_distributed_iterator"](self, distribution)
+    # Named here, on the main thread, in the same order on every process.
+    channel = _sync.channel("fit-input") if distribution._spans_processes else ""
+    return Prefetcher(_batches(self, distribution, channel), 1, lazy=True)
+
+
+def _batches(self, distribution, channel: str):
     name = type(self.data_adapter).__name__.removesuffix("Adapter")
     source = f"the {name} input"
     signature = BatchSignature(source)
     skip = _replay(self, distribution)
     batches = self.data_adapter.get_jax_iterator()
-    channel = _sync.channel("fit-input") if distribution._spans_processes else ""
     if distribution._spans_processes and is_per_process(
         getattr(self.data_adapter, "_dataset", None)
     ):

@@ -27,9 +27,11 @@ class Prefetcher:
     Args:
         iterator: the items to produce.
         buffer_size: how many finished items may wait (>= 1).
+        lazy: start producing at the first `next()` (not at construction),
+            for iterators whose first step must follow the consumer's set-up.
     """
 
-    def __init__(self, iterator: Iterator[Any], buffer_size: int):
+    def __init__(self, iterator: Iterator[Any], buffer_size: int, lazy: bool = False):
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._stop = threading.Event()
         self._done = False
@@ -39,7 +41,8 @@ class Prefetcher:
             daemon=True,
             name="keras_dist-prefetch",
         )
-        self._thread.start()
+        if not lazy:
+            self._thread.start()
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -65,6 +68,8 @@ class Prefetcher:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
         item = self._queue.get()
         if item is _END:
             self._done = True

@@ -290,16 +290,22 @@ class Strategy(keras.distribution.DataParallel):
 
         `rows` is the global batch size when the mesh spans processes.
         """
-
-        def shard(leaf):
-            if not isinstance(leaf, jax.Array):
-                leaf = np.asarray(leaf)
-            shape = None if rows is None or not leaf.ndim else (rows, *leaf.shape[1:])
-            return jax.make_array_from_process_local_data(
-                self._data_sharding(leaf.ndim), leaf, shape
-            )
-
-        return jax.tree.map(shard, data)
+        leaves, treedef = jax.tree.flatten(data)
+        arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
+        shardings = [self._data_sharding(a.ndim) for a in arrays]
+        if not self._spans_processes:
+            # One batched transfer for every array of the batch: the layout is
+            # on the critical path of each step.
+            return jax.tree.unflatten(treedef, jax.device_put(arrays, shardings))
+        return jax.tree.unflatten(
+            treedef,
+            [
+                jax.make_array_from_process_local_data(
+                    sharding, a, (rows, *a.shape[1:]) if a.ndim else None
+                )
+                for a, sharding in zip(arrays, shardings, strict=True)
+            ],
+        )
 
     def _distribute_batch(self, data: Any) -> Any:
         """A global Keras batch for `fit`: padded (as a `PaddedBatch`), sharded.

@@ -18,9 +18,11 @@ class ScalingReport(keras.callbacks.Callback):
     come from whole epochs (Keras waits for the results at each epoch end),
     minus validation; the first epoch, which compiles, is reported apart.
     With a keras_dist strategy it also reads the host time spent producing
-    each batch (read, pad, lay out over the devices): when that is more than
-    `input_bound_fraction` of the step, the run is input-bound and the
-    summary says so.
+    each batch (read, pad, lay out over the devices). keras_dist produces a
+    batch on a background thread while the previous step runs, so input
+    time close to the step time means the steps wait for their input: above
+    `input_bound_fraction` of the step the summary calls the run
+    input-bound.
 
     After `fit`, `report.result` holds the numbers (a dict); with
     `print_summary=True` the chief prints them as one screen.
@@ -36,13 +38,13 @@ class ScalingReport(keras.callbacks.Callback):
     Args:
         print_summary: print the summary at the end of `fit` (chief only).
         input_bound_fraction: input time / step time above which the run is
-            called input-bound. Defaults to 0.5.
+            called input-bound. Defaults to 0.8.
 
     Raises:
         ValueError: if `input_bound_fraction` is not in (0, 1].
     """
 
-    def __init__(self, print_summary: bool = True, input_bound_fraction: float = 0.5):
+    def __init__(self, print_summary: bool = True, input_bound_fraction: float = 0.8):
         super().__init__()
         if not 0 < input_bound_fraction <= 1:
             raise ValueError(
