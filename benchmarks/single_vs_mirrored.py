@@ -192,11 +192,13 @@ def markdown(payload: dict) -> str:
         model = payload["scaling_model"]
         out += [
             "",
-            f"| devices (B, {model}) | ms/step | efficiency |",
-            "|---:|---:|---:|",
+            f"| devices (B, {model}) | ms/step | speed-up | efficiency |",
+            "|---:|---:|---:|---:|",
         ]
         for n, ms in sorted(analysis["scaling"].items()):
-            out.append(f"| {n} | {ms:.2f} | {_fmt(analysis['efficiency'][n])} |")
+            eff = analysis["efficiency"][n]
+            speedup = None if eff is None else eff * n
+            out.append(f"| {n} | {ms:.2f} | {_fmt(speedup)} | {_fmt(eff)} |")
     out += ["", "| target | value | result |", "|---|---:|---|"]
     for t in analysis["targets"]:
         verdict = "PASS" if t["pass"] else "MISS"
