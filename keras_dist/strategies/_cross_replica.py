@@ -7,6 +7,7 @@ value on every replica (so a SUM over replicas multiplies it by the number of
 replicas, as the replicas would). All three accept pytrees.
 """
 
+import functools
 from typing import Any
 
 import jax
@@ -86,7 +87,13 @@ def _everywhere(strategy, result: Any) -> Any:
     """With several processes: the whole result on every process (replicated)."""
     if not strategy._spans_processes:
         return result
-    return jax.jit(lambda tree: tree, out_shardings=strategy._replicated)(result)
+    return _copy_to(strategy._replicated)(result)
+
+
+@functools.cache
+def _copy_to(sharding):
+    """One compiled copy per sharding (reduce/gather run every step)."""
+    return jax.jit(lambda tree: tree, out_shardings=sharding)
 
 
 def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
