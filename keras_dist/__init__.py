@@ -30,6 +30,11 @@ from keras_dist.strategies import (  # noqa: E402
 
 __version__ = "0.1.0"
 
+from keras_dist import _keras_compat  # noqa: E402
+
+# The private Keras seams (inert unless a keras_dist strategy is in use).
+_keras_compat.install()
+
 __all__ = [
     "CommunicationOptions",
     "InputContext",

@@ -9,6 +9,7 @@ __all__ = [
     "ClusterConfigError",
     "ClusterTimeoutError",
     "DeviceNotFoundError",
+    "IncompatibleBackupError",
     "StrategyMismatchError",
 ]
 
@@ -27,3 +28,8 @@ class ClusterConfigError(ValueError):
 
 class ClusterTimeoutError(TimeoutError):
     """A peer or the coordinator did not answer within the timeout."""
+
+
+class IncompatibleBackupError(ValueError):
+    """A backup cannot be resumed: another model wrote it, or the input of the
+    resumed `fit` cannot be replayed up to it."""

@@ -6,15 +6,16 @@ replicated on the mesh and lays batches out over it. Three things the public
 API cannot express are done here, on Keras's JAX trainer
 (`keras.src.backend.jax.trainer`), checked against Keras `CHECKED_KERAS`:
 
-1. **Partial batches.** Keras turns each host batch into a global array with
-   the module function `_distribute_data` (per pass in
+1. **Batches** (`_input.py`). Keras turns each host batch into a global
+   array with the module function `_distribute_data` (per pass in
    `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
-   split evenly over the replicas it raises (keras#21167). keras_dist
-   replaces both, while one of its strategies is current, with
-   `Strategy._distribute_batch` (pad + record the real size; batches of one
-   pass must keep their structure, rank and dtype), and wraps the module's
-   `jit` so every compiled step first cuts a `PaddedBatch` back to its real
-   rows.
+   split evenly over the replicas it raises (keras#21167). While one of its
+   strategies is current, keras_dist hands both to its input pipeline
+   (`data/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
+   `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
+   first cuts a `PaddedBatch` back to its real rows, and wraps
+   `JAXEpochIterator._enumerate_iterator` so a resumed `fit` replays its
+   input up to the backed-up step.
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
    `*_on_batch` methods enter the scope of the strategy the model was built
    under when no scope is open (the tf.distribute tutorials call `fit`
@@ -33,7 +34,7 @@ API cannot express are done here, on Keras's JAX trainer
    chief's NumPy random state (same shuffling), `predict` outputs are
    gathered on every process.
 
-`install()` is idempotent and is called by the first `Strategy`. With no
+`install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
 """
@@ -44,8 +45,10 @@ import keras
 
 from keras_dist._keras_compat._input import (
     _distribute_data,
+    _enumerate_iterator,
     _get_distributed_iterator,
     _jit,
+    _make_function,
 )
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._state import originals as _originals
@@ -79,15 +82,15 @@ def seams() -> dict[str, Any]:
         "trainer.jit": getattr(module, "jit", None),
         "trainer._distribute_data": getattr(module, "_distribute_data", None),
         "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
-        "trainer.JAXEpochIterator._get_distributed_iterator": getattr(
-            getattr(module, "JAXEpochIterator", None), "_get_distributed_iterator", None
-        ),
     }
+    iterator_cls = getattr(module, "JAXEpochIterator", None)
+    for name in ("_get_distributed_iterator", "_enumerate_iterator"):
+        found[f"trainer.JAXEpochIterator.{name}"] = getattr(iterator_cls, name, None)
     from keras.src.utils import rng_utils
 
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     trainer_cls = found["trainer.JAXTrainer"]
-    for name in (*ENTRY_POINTS, *STEP_BUILDERS, "jax_state_sync"):
+    for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
         found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
     missing = [name for name, obj in found.items() if obj is None]
     if missing:
@@ -118,6 +121,13 @@ def install() -> None:
     iterator_cls = module.JAXEpochIterator
     _originals["_get_distributed_iterator"] = iterator_cls._get_distributed_iterator
     iterator_cls._get_distributed_iterator = _get_distributed_iterator
+    # Inherited from EpochIterator: set on the JAX subclass only.
+    _originals["JAXEpochIterator._enumerate_iterator"] = (
+        iterator_cls._enumerate_iterator
+    )
+    iterator_cls._enumerate_iterator = _enumerate_iterator
+    _originals["JAXTrainer._make_function"] = module.JAXTrainer._make_function
+    module.JAXTrainer._make_function = _make_function
     for name in ENTRY_POINTS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method

@@ -1,28 +1,48 @@
-"""Seam 1: partial batches — pad and shard on the host, cut back in the step."""
+"""Seam 1: batches — Keras's iterators feed the input pipeline; steps see real rows.
 
-import time
+Thin: the work is in `keras_dist/data/` (`_pipeline.InputPass`, the resume
+replay of `_call.ResumePlan`). These functions only connect Keras's JAX
+trainer to it:
+
+- `_get_distributed_iterator`: each pass of `fit/evaluate/predict` is an
+  `InputPass` over the data adapter's batches.
+- `_distribute_data`: the single batch of `*_on_batch`.
+- `_jit` and `_make_function`: every step — compiled or eager, one batch or
+  `steps_per_execution` of them — first cuts a `PaddedBatch` back to its real
+  rows. Inside `jit` the cut is a static slice of the sharded arrays; without
+  `jit` (`run_eagerly=True`, `jit_compile=False`) it is an eager slice.
+- `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
+  steps through Keras's own epoch iterator before the first real step.
+"""
+
+import functools
 from collections.abc import Callable
 
 import keras
 
 from keras_dist._keras_compat._state import originals as _originals
-from keras_dist.cluster import _sync
+from keras_dist.data import _call
 from keras_dist.data._auto_shard import is_per_process
-from keras_dist.data._batch_checks import BatchSignature
-from keras_dist.data._multi_process import (
-    ProcessBlocks,
-    check_pass_end,
-    check_pass_start,
-)
-from keras_dist.data._partial_batch import batch_size_of, unpadding
-from keras_dist.data._prefetch import Prefetcher
+from keras_dist.data._partial_batch import unpadding
+from keras_dist.data._pipeline import InputPass, keras_batch
+from keras_dist.errors import IncompatibleBackupError
+from keras_dist.strategies._base import Strategy
 
-__all__ = ["_distribute_data", "_get_distributed_iterator", "_jit", "current_strategy"]
+__all__ = [
+    "_distribute_data",
+    "_enumerate_iterator",
+    "_get_distributed_iterator",
+    "_jit",
+    "_make_function",
+    "current_strategy",
+]
+
+# Keras's adapters whose passes cannot be read again from the start: the
+# batches a read-ahead takes from them are lost to the next pass.
+_ONE_SHOT_ADAPTERS = ("GeneratorDataAdapter",)
 
 
-def current_strategy():
-    from keras_dist.strategies._base import Strategy
-
+def current_strategy() -> Strategy | None:
     current = keras.distribution.distribution()
     return current if isinstance(current, Strategy) else None
 
@@ -33,93 +53,119 @@ def _jit(fun: Callable, *args, **kwargs):
         from keras_dist._keras_compat._processes import gathered_outputs
 
         step = gathered_outputs(step)
-    return _originals["jit"](step, *args, **kwargs)
+    compiled = _originals["jit"](step, *args, **kwargs)
+    return _Unpadding(compiled)
+
+
+class _Unpadding:
+    """A compiled step that cuts padded batches itself (inside `jit`)."""
+
+    def __init__(self, compiled: Callable):
+        self._compiled = compiled
+        functools.update_wrapper(self, compiled)
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._compiled, name)
+
+
+def _make_function(self, step_function, concatenate_outputs=False):
+    """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly."""
+    if not isinstance(step_function, _Unpadding):
+        step_function = unpadding(step_function)
+    return _originals["JAXTrainer._make_function"](
+        self, step_function, concatenate_outputs
+    )
 
 
 def _distribute_data(data, layouts=None):
     strategy = current_strategy()
     if strategy is None:
         return _originals["_distribute_data"](data, layouts)
-    return strategy._distribute_batch(data)
+    return keras_batch(strategy, data)
 
 
 def _get_distributed_iterator(self, distribution):
-    """Keras's per-pass batch iterator, with keras_dist's checks and padding.
-
-    The batches are produced one step ahead on a background thread (read,
-    pad, laid out on the devices while the previous step runs), started at
-    the first `next()` so that a resume's replay follows Keras's set-up.
-    """
-    from keras_dist.strategies._base import Strategy
-
+    """Keras's per-pass batch iterator: one `InputPass` of the pipeline."""
     if not isinstance(distribution, Strategy):
         return _originals["_get_distributed_iterator"](self, distribution)
-    # Named here, on the main thread, in the same order on every process.
-    channel = _sync.channel("fit-input") if distribution._spans_processes else ""
-    return Prefetcher(_batches(self, distribution, channel), 1, lazy=True)
+    adapter = self.data_adapter
+    name = type(adapter).__name__
+    return InputPass(
+        distribution,
+        adapter.get_jax_iterator(),
+        source=f"the {name.removesuffix('Adapter')} input",
+        per_process=distribution._spans_processes
+        and is_per_process(getattr(adapter, "_dataset", None)),
+        keras=True,
+        prefetch=0 if name in _ONE_SHOT_ADAPTERS else 1,
+        channel="fit-input",
+    )
 
 
-def _batches(self, distribution, channel: str):
-    name = type(self.data_adapter).__name__.removesuffix("Adapter")
-    source = f"the {name} input"
-    signature = BatchSignature(source)
-    skip = _replay(self, distribution)
-    batches = self.data_adapter.get_jax_iterator()
-    if distribution._spans_processes and is_per_process(
-        getattr(self.data_adapter, "_dataset", None)
-    ):
-        yield from _per_process_batches(
-            distribution, batches, signature, skip, source, channel
-        )
-        return
-    index = -1
-    stats, start = distribution._input_stats, time.perf_counter()
-    for index, data in enumerate(batches):
-        if index < skip:
-            continue
-        signature.check(data, index)
-        if index == skip:
-            distribution._observed_batch_size = batch_size_of(data)
-            if distribution._spans_processes:
-                check_pass_start(data, source, channel + "/start")
-        batch = distribution._distribute_batch(data)
-        stats.record(time.perf_counter() - start, first=index == skip)
-        yield batch
-        start = time.perf_counter()
-    if distribution._spans_processes:
-        check_pass_end(index + 1, source, channel + "/end")
+def _enumerate_iterator(self):
+    """Keras's epoch loop over batches; a resumed `fit` first replays.
 
-
-def _per_process_batches(strategy, batches, signature, skip, source, channel):
-    """Per-process shares (AutoShardPolicy FILE/OFF): agree on every step."""
-    blocks = ProcessBlocks(strategy._local_replicas(), source, channel)
-    iterator = iter(batches)
-    index = 0
-    while True:
-        data = next(iterator, None)
-        if data is not None:
-            signature.check(data, index)
-        agreed = blocks(data)
-        if agreed is None:
-            return
-        if index >= skip:
-            block, rows, num_real = agreed
-            yield strategy._distribute_block(block, rows, num_real)
-        index += 1
-
-
-def _replay(epoch_iterator, strategy) -> int:
-    """Carries out a pending `ResumePlan`; returns the batches to skip."""
-    plan = getattr(strategy, "_resume_plan", None)
+    The replay drives Keras's own loop — the same `on_epoch_begin/end` of the
+    adapter, the same iterator kept or renewed across epochs — reading each
+    step's batches without training on them, so the state of the input is
+    exactly the one an uninterrupted run had at the backed-up step.
+    """
+    original = _originals["JAXEpochIterator._enumerate_iterator"]
+    call = _call.active()
+    plan = call.take_resume() if call is not None and call.method == "fit" else None
     if plan is None:
-        return 0
-    strategy._resume_plan = None
+        yield from original(self)
+        return
+    _check_replayable(self, plan)
+    for _ in range(plan.epochs):
+        with self.catch_stop_iteration():
+            for _, _, iterator in original(self):
+                _drop_step(iterator, self.steps_per_execution)
+    for begin, end, iterator in original(self):
+        if begin < plan.steps:
+            ran_out = True
+            with self.catch_stop_iteration():
+                _drop_step(iterator, self.steps_per_execution)
+                ran_out = False
+            if ran_out:  # As in Keras's loop: the epoch ends there.
+                return
+            continue
+        yield begin, end, iterator
+
+
+def _drop_step(iterator, count: int) -> None:
+    """What one Keras step takes from `iterator`, read and dropped.
+
+    As Keras's step: the first batch must exist, the others may be missing.
+    """
+    skip = getattr(iterator, "skip", None)
+    if skip is not None:
+        if skip(count) == 0:
+            raise StopIteration
+        return
+    next(iterator)
+    for _ in range(count - 1):
+        if next(iterator, None) is None:
+            return
+
+
+def _check_replayable(epoch_iterator, plan) -> None:
     adapter = epoch_iterator.data_adapter
-    for _ in range(plan.replay_passes):  # Repeat every random draw of the input.
-        for _ in adapter.get_jax_iterator():
-            pass
-        adapter.on_epoch_end()
-        adapter.on_epoch_begin()
-    # Keras counts the epoch's steps; the skipped ones are already done.
-    epoch_iterator._steps_seen += plan.skip_batches
-    return plan.skip_batches
+    if (
+        type(adapter).__name__ in _ONE_SHOT_ADAPTERS
+        and epoch_iterator.steps_per_epoch is None
+        and plan.epochs
+    ):
+        raise IncompatibleBackupError(
+            "BackupAndRestore cannot resume this fit: its input is a Python "
+            "generator read to its end every epoch, which cannot be read again "
+            f"(the backup is at epoch {plan.epochs} of this fit, step "
+            f"{plan.steps}). Received: x of type generator, steps_per_epoch=None. "
+            "Pass an input that can be iterated again (a `keras.utils.PyDataset`, "
+            "a `tf.data.Dataset`, arrays), or make the generator infinite and "
+            "pass `steps_per_epoch`: `model.fit(make_generator(), "
+            "steps_per_epoch=N, ...)`. The backup is kept."
+        )

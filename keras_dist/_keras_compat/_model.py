@@ -11,6 +11,7 @@ import numpy as np
 
 from keras_dist._keras_compat._input import current_strategy
 from keras_dist._keras_compat._processes import prepare_call
+from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._ownership import (
     model_variables,
@@ -39,15 +40,19 @@ def _entry_point(method: Callable) -> Callable:
         if strategy is None:
             return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
+        initial_epoch = 0
         if method.__name__ == "fit":
             bound = signature.bind_partial(model, *args, **kwargs).arguments
-            model._keras_dist_initial_epoch = bound.get("initial_epoch", 0)
+            initial_epoch = bound.get("initial_epoch", 0)
         if strategy._spans_processes:
             bound = signature.bind(model, *args, **kwargs)
             prepare_call(method.__name__, model, bound.arguments)
             args, kwargs = bound.args[1:], bound.kwargs
         _place_variables(model, strategy, move=False)  # Refuse before building.
         with contextlib.ExitStack() as stack:
+            stack.enter_context(
+                _call.enter(method.__name__, strategy, initial_epoch=initial_epoch)
+            )
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]

@@ -1,6 +1,5 @@
 """`BackupAndRestore`: resume an interrupted `fit` exactly where it stopped."""
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -14,22 +13,9 @@ from jax.experimental import multihost_utils
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
+from keras_dist.data import _call
 
 __all__ = ["BackupAndRestore"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ResumePlan:
-    """Where the data of a resumed `fit` must start.
-
-    Attributes:
-        replay_passes: full passes over the input to replay (read and drop)
-            so every random draw of the pipeline (shuffles) repeats.
-        skip_batches: batches of the resumed epoch already trained on.
-    """
-
-    replay_passes: int
-    skip_batches: int
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -117,10 +103,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._store = BackupStore(self.backup_dir)
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
-        self._fit_initial_epoch = getattr(self.model, "_keras_dist_initial_epoch", 0)
-        self._restore()
+        call = _call.active()
+        self._fit_initial_epoch = call.initial_epoch if call is not None else 0
+        self._restore(call)
         self._global_step = int(np.asarray(self.model.optimizer.iterations.value))
         self._install_sigterm_handler()
+        if call is not None:  # Keras skips on_train_end when fit raises.
+            call.on_close(self._release)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -132,9 +121,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resumed_metrics = None
         else:
             self._step_in_epoch = 0
+        self._saved_step = self._step_in_epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step_in_epoch += 1
+        # `batch` is the last step of the execution (`steps_per_execution`).
+        self._step_in_epoch = batch + 1
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
             if is_chief():
@@ -146,7 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             self._uninstall_sigterm_handler()
             raise SystemExit(0)
-        if self.save_freq != "epoch" and self._step_in_epoch % self.save_freq == 0:
+        if self.save_freq != "epoch" and self._steps_since_save() >= self.save_freq:
             self._save(self._epoch, self._step_in_epoch)
 
     def _position(self, epoch: int, step: int) -> tuple[int, int]:
@@ -155,7 +146,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         (Keras cannot run an epoch without steps; that epoch's validation is
         not repeated, the weights are the same.)
         """
-        if step and step == self.params.get("steps"):
+        steps = self.params.get("steps")
+        if step and steps and step >= steps:
             return epoch + 1, 0
         return epoch, step
 
@@ -163,12 +155,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        self._release()
+        if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def _release(self) -> None:
+        """Undoes what `on_train_begin` set up (also when `fit` raises)."""
         self.model._initial_epoch = None
         self._uninstall_sigterm_handler()
         if self._store is not None:
             self._store.close()
-        if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            self._store = None
 
     # State ----------------------------------------------------------------
 
@@ -177,6 +174,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         from keras_dist.strategies._base import strategy_of_model
 
         sync_state(self.model)
+        self._saved_step = step
         epoch, step = self._position(epoch, step)
         strategy = strategy_of_model(self.model)
         self._store.save(
@@ -190,9 +188,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             },
         )
 
-    def _restore(self) -> None:
-        from keras_dist.strategies._base import strategy_of_model
+    def _steps_since_save(self) -> int:
+        return self._step_in_epoch - self._saved_step
 
+    def _restore(self, call) -> None:
         meta = self._store.restore(self.model)
         if meta is None:
             return
@@ -201,10 +200,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._step_in_epoch = epoch, step
         if step:
             self._resumed_metrics = meta["metrics_values"]
-        strategy = strategy_of_model(self.model)
-        passes = epoch - meta["fit_initial_epoch"]
-        if strategy is not None and (passes or step):
-            strategy._resume_plan = ResumePlan(replay_passes=passes, skip_batches=step)
+        epochs = epoch - meta["fit_initial_epoch"]
+        if call is not None and (epochs or step):
+            call.resume = _call.ResumePlan(epochs=epochs, steps=step)
         if is_chief():
             print(
                 f"BackupAndRestore: resuming at epoch {epoch + 1}, step {step} "

@@ -5,13 +5,11 @@ import warnings
 import jax
 import numpy as np
 
+from keras_dist.errors import IncompatibleBackupError
+
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
 GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
-
-
-class IncompatibleBackupError(ValueError):
-    """A backup was written by another model."""
 
 
 def variable_groups(model) -> dict[str, list]:

@@ -9,6 +9,7 @@ from keras_dist.callbacks._lr_control import (
     controlled,
     release,
 )
+from keras_dist.data import _call
 
 __all__ = ["LearningRateWarmup"]
 
@@ -83,7 +84,8 @@ class LearningRateWarmup(keras.callbacks.Callback):
         if self.base_batch_size is None:
             k = strategy.num_replicas_in_sync if strategy is not None else 1
         else:
-            batch = getattr(strategy, "_observed_batch_size", None)
+            call = _call.active()
+            batch = call.batch_size if call is not None else None
             if batch is None:
                 raise ValueError(
                     "LearningRateWarmup(base_batch_size=...) needs the global "

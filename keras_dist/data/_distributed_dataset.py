@@ -16,16 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from keras_dist.cluster import _sync
 from keras_dist.data._auto_shard import is_per_process, per_process_share
-from keras_dist.data._batch_checks import BatchSignature
 from keras_dist.data._input_context import InputContext, InputOptions
-from keras_dist.data._multi_process import (
-    ProcessBlocks,
-    check_pass_end,
-    check_pass_start,
-)
-from keras_dist.data._prefetch import Prefetcher
+from keras_dist.data._pipeline import InputPass
 
 __all__ = [
     "DistributedDataset",
@@ -62,7 +55,13 @@ def _host_batches(dataset: Any) -> Callable[[], Iterator[Any]]:
     if _is_tf_dataset(dataset):
         return dataset.as_numpy_iterator
     if isinstance(dataset, Iterator):
-        return lambda: dataset  # One pass only: it is an iterator already.
+        # One pass only: it is an iterator already. Nothing may read ahead of
+        # the user's loop (what it took could never be given back).
+        def one_pass() -> Iterator[Any]:
+            return dataset
+
+        one_pass.one_shot = True
+        return one_pass
     if isinstance(dataset, Iterable):
         return lambda: iter(dataset)
     raise TypeError(
@@ -72,7 +71,11 @@ def _host_batches(dataset: Any) -> Callable[[], Iterator[Any]]:
 
 
 class DistributedIterator:
-    """An iterator over global, replica-split batches; `next()` or `get_next()`."""
+    """An iterator over global, replica-split batches; `next()` or `get_next()`.
+
+    One pass of the input pipeline (`_pipeline.InputPass`) with the batches in
+    the dataset's own structure.
+    """
 
     def __init__(
         self,
@@ -81,55 +84,25 @@ class DistributedIterator:
         options: InputOptions,
         source: str,
         per_process: bool = False,
+        replayable: bool = True,
     ):
-        self._strategy = strategy
-        self._source = source
-        self._per_process = per_process
-        self._signature = BatchSignature(source)
-        # Named here, on the main thread: the exchanges may run on a prefetch
-        # thread, and every process must number them alike.
-        self._channel = _sync.channel("input") if strategy._spans_processes else ""
-        batches = self._distributed(host_iterator)
-        if options.experimental_fetch_to_device:
-            batches = Prefetcher(batches, options.experimental_per_replica_buffer_size)
-        self._batches = batches
-
-    def _distributed(self, host_iterator: Iterator[Any]) -> Iterator[Any]:
-        strategy = self._strategy
-        if strategy._spans_processes and self._per_process:
-            yield from self._per_process_blocks(host_iterator)
-            return
-        index = -1
-        for index, batch in enumerate(host_iterator):
-            self._signature.check(batch, index)
-            if index == 0 and strategy._spans_processes:
-                check_pass_start(batch, self._source, self._channel + "/start")
-            yield strategy._distribute_element(batch)
-        if strategy._spans_processes:
-            check_pass_end(index + 1, self._source, self._channel + "/end")
-
-    def _per_process_blocks(self, host_iterator: Iterator[Any]) -> Iterator[Any]:
-        """Each process's own batches; every step agreed, so none waits forever."""
-        blocks = ProcessBlocks(
-            self._strategy._local_replicas(), self._source, self._channel
+        prefetch = 0
+        if options.experimental_fetch_to_device and replayable:
+            prefetch = options.experimental_per_replica_buffer_size
+        self._pass = InputPass(
+            strategy,
+            host_iterator,
+            source=source,
+            per_process=per_process,
+            keras=False,
+            prefetch=prefetch,
         )
-        index = 0
-        while True:
-            batch = next(host_iterator, None)
-            if batch is not None:
-                self._signature.check(batch, index)
-            agreed = blocks(batch)
-            if agreed is None:
-                return
-            block, rows, num_real = agreed
-            yield self._strategy._distribute_element(block, block=(rows, num_real))
-            index += 1
 
     def __iter__(self) -> "DistributedIterator":
         return self
 
     def __next__(self) -> Any:
-        return next(self._batches)
+        return next(self._pass)
 
     def get_next(self) -> Any:
         """The next global batch; raises `StopIteration` at the end."""
@@ -137,8 +110,7 @@ class DistributedIterator:
 
     def close(self) -> None:
         """Stops the prefetch thread (also done when garbage collected)."""
-        if isinstance(self._batches, Prefetcher):
-            self._batches.close()
+        self._pass.close()
 
 
 class DistributedDataset:
@@ -169,6 +141,7 @@ class DistributedDataset:
             self._options,
             self._source,
             self._per_process,
+            replayable=not getattr(self._start_pass, "one_shot", False),
         )
 
     def __repr__(self) -> str:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from keras_dist.cluster import _sync
-from keras_dist.data._partial_batch import batch_size_of
+from keras_dist.data._partial_batch import batch_size_of, pad_to, round_up
 
 __all__ = ["ProcessBlocks", "check_pass_end", "check_pass_start", "global_rows"]
 
@@ -44,18 +44,13 @@ def global_rows(data: Any, multiple: int, rows: slice) -> tuple[Any, int, int | 
     size = batch_size_of(data)
     if size is None:
         return data, 0, None
-    padded = math.ceil(size / multiple) * multiple
+    padded = round_up(size, multiple)
+    want = rows.stop - rows.start
 
     def take(leaf):
         if not _is_array(leaf):
             return leaf
-        leaf = np.asarray(leaf)
-        part = leaf[rows.start : min(rows.stop, size)]
-        missing = rows.stop - rows.start - part.shape[0]
-        if missing:
-            filler = np.zeros((missing, *leaf.shape[1:]), dtype=leaf.dtype)
-            part = np.concatenate([part, filler], axis=0)
-        return part
+        return pad_to(leaf[rows.start : min(rows.stop, size)], want)
 
     return jax.tree.map(take, data), padded, (size if padded != size else None)
 
@@ -152,19 +147,9 @@ class ProcessBlocks:
             batch = jax.tree.map(lambda t: t[:0], self._template)
         else:
             self._template = batch
-        padded = jax.tree.map(lambda leaf: _pad_to(leaf, block), batch)
+        padded = jax.tree.map(lambda leaf: pad_to(leaf, block), batch)
         segments = tuple(
             (index * block, count) for index, count in enumerate(counts) if count
         )
         unpadded = all(c == block for c in counts)
         return padded, block, None if unpadded else segments
-
-
-def _pad_to(leaf, rows: int):
-    if not _is_array(leaf):
-        return leaf
-    leaf = np.asarray(leaf)
-    if leaf.shape[0] == rows:
-        return leaf
-    filler = np.zeros((rows - leaf.shape[0], *leaf.shape[1:]), dtype=leaf.dtype)
-    return np.concatenate([leaf, filler], axis=0)

@@ -18,7 +18,6 @@ loss reduction stay exact. No sample is dropped and none is counted twice.
 """
 
 import functools
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +32,11 @@ __all__ = [
     "batch_size_of",
     "mark_padded",
     "num_real_of",
-    "pad_batch",
     "pad_rows",
+    "pad_to",
     "real_mask",
     "real_rows_in",
+    "round_up",
     "segments_of",
     "take_real",
     "total_real",
@@ -104,6 +104,20 @@ def batch_size_of(data: Any) -> int | None:
     return sizes.pop() if sizes else None
 
 
+def round_up(size: int, multiple: int) -> int:
+    """`size` rounded up to a multiple of `multiple`."""
+    return -(-size // multiple) * multiple
+
+
+def pad_to(leaf: Any, rows: int) -> Any:
+    """`leaf` with zero rows appended up to `rows` rows (the one padding)."""
+    if not _is_array(leaf) or leaf.shape[0] == rows:
+        return leaf
+    leaf = np.asarray(leaf)
+    filler = np.zeros((rows - leaf.shape[0], *leaf.shape[1:]), dtype=leaf.dtype)
+    return np.concatenate([leaf, filler], axis=0)
+
+
 def pad_rows(data: Any, multiple: int) -> tuple[Any, int | None]:
     """Pads every array of `data` with zero rows to a multiple of `multiple`.
 
@@ -113,27 +127,8 @@ def pad_rows(data: Any, multiple: int) -> tuple[Any, int | None]:
     size = batch_size_of(data)
     if size is None or size % multiple == 0:
         return data, None
-    padded_size = math.ceil(size / multiple) * multiple
-
-    def pad(leaf):
-        if not _is_array(leaf):
-            return leaf
-        leaf = np.asarray(leaf)
-        filler = np.zeros((padded_size - size, *leaf.shape[1:]), dtype=leaf.dtype)
-        return np.concatenate([leaf, filler], axis=0)
-
-    return jax.tree.map(pad, data), size
-
-
-def pad_batch(data: Any, multiple: int) -> Any:
-    """Pads a Keras batch `(x, y, sample_weight)` to a multiple of `multiple`.
-
-    Returns `data` unchanged when its batch size already is a multiple, else a
-    `PaddedBatch` (a non-tuple batch becomes the 1-tuple `(data,)`, which
-    Keras unpacks the same way).
-    """
-    padded, num_real = pad_rows(data, multiple)
-    return as_padded_batch(padded, num_real)
+    padded_size = round_up(size, multiple)
+    return jax.tree.map(lambda leaf: pad_to(leaf, padded_size), data), size
 
 
 def as_padded_batch(data: Any, num_real: "NumReal | None") -> Any:

@@ -2,12 +2,14 @@
 
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["Prefetcher"]
 
 _END = object()
+_JOIN_SECONDS = 5.0
 
 
 class _Failure:
@@ -15,14 +17,48 @@ class _Failure:
         self.error = error
 
 
+def _produce(iterator: Iterator[Any], out: queue.Queue, stop: threading.Event):
+    """The thread's work. It holds no reference to its `Prefetcher`, so a
+    consumer that drops the prefetcher (a pass Keras abandons) stops it."""
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in iterator:
+            if not put(item):
+                return
+        put(_END)
+    except BaseException as error:  # Re-raised in the consumer.
+        put(_Failure(error))
+    finally:
+        del iterator
+
+
+def _stop(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread.ident is not None and thread is not threading.current_thread():
+        thread.join(_JOIN_SECONDS)
+
+
 class Prefetcher:
     """Runs `iterator` on a daemon thread, `buffer_size` items ahead.
 
     Items are produced (read from the host pipeline, padded, copied to the
     devices) while the consumer's step runs. An exception in the producer is
-    raised in the consumer at the item where it happened. `close()` (also on
-    garbage collection) stops the thread within 0.1 s; nothing waits forever
-    on a stopped consumer.
+    raised in the consumer at the item where it happened.
+
+    The thread has an owner: `close()` stops it (within 0.1 s when it waits
+    on a full buffer) and joins it; so does dropping the last reference to
+    the prefetcher, and so does the end of the Keras call it was made for
+    (the input pipeline registers `close` with the call). Nothing waits
+    forever on a stopped consumer.
 
     Args:
         iterator: the items to produce.
@@ -33,34 +69,22 @@ class Prefetcher:
 
     def __init__(self, iterator: Iterator[Any], buffer_size: int, lazy: bool = False):
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
-        self._stop = threading.Event()
-        self._done = False
+        stop = threading.Event()
         self._thread = threading.Thread(
-            target=self._produce,
-            args=(iterator,),
+            target=_produce,
+            args=(iterator, self._queue, stop),
             daemon=True,
             name="keras_dist-prefetch",
         )
+        self._done = False
+        self._close = weakref.finalize(self, _stop, stop, self._thread)
         if not lazy:
             self._thread.start()
 
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _produce(self, iterator: Iterator[Any]) -> None:
-        try:
-            for item in iterator:
-                if not self._put(item):
-                    return
-            self._put(_END)
-        except BaseException as error:  # Re-raised in the consumer.
-            self._put(_Failure(error))
+    @property
+    def started(self) -> bool:
+        """Whether the thread has started producing."""
+        return self._thread.ident is not None
 
     def __iter__(self) -> "Prefetcher":
         return self
@@ -68,19 +92,22 @@ class Prefetcher:
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
-        if not self._thread.is_alive() and self._thread.ident is None:
+        if not self.started:
             self._thread.start()
         item = self._queue.get()
         if item is _END:
-            self._done = True
+            self._finish()
             raise StopIteration
         if isinstance(item, _Failure):
-            self._done = True
+            self._finish()
             raise item.error
         return item
 
-    def close(self) -> None:
-        self._stop.set()
+    def _finish(self) -> None:
+        self._done = True
+        self._close()
 
-    def __del__(self):
-        self.close()
+    def close(self) -> None:
+        """Stops and joins the thread; later `next()` calls end the iteration."""
+        self._done = True
+        self._close()

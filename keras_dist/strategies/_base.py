@@ -8,10 +8,8 @@ import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist import _keras_compat
 from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
-from keras_dist.data._input_stats import InputStats
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
@@ -40,7 +38,6 @@ class Strategy(Placement, keras.distribution.DataParallel):
     """
 
     def __init__(self, devices: Sequence[jax.Device]):
-        _keras_compat.install()
         # keras_dist splits the input over processes itself (keras.distribution
         # would rebatch tf.data and refuse NumPy with several processes).
         super().__init__(devices=list(devices), auto_shard_dataset=False)
@@ -55,7 +52,6 @@ class Strategy(Placement, keras.distribution.DataParallel):
         self._process_count = len({d.process_index for d in self.devices})
         self._spans_processes = self._process_count > 1
         self._row_ranges: dict[int, slice] = {}
-        self._input_stats = InputStats()  # Host time of fit's input (ScalingReport).
 
     @property
     def num_replicas_in_sync(self) -> int:

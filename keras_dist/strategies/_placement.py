@@ -8,14 +8,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard
 from keras_dist.data._input_context import InputContext
-from keras_dist.data._multi_process import global_rows
-from keras_dist.data._partial_batch import (
-    as_padded_batch,
-    batch_size_of,
-    mark_padded,
-    pad_batch,
-    pad_rows,
-)
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -23,7 +15,11 @@ BATCH_AXIS = "batch"
 
 
 class Placement:
-    """The input side of `Strategy`: shardings, padding, per-process rows.
+    """The input side of `Strategy`: shardings and per-process rows.
+
+    The input pipeline (`keras_dist/data/_pipeline.py`) reads, checks and pads
+    batches; a strategy only says which rows live on this process
+    (`_process_rows`) and lays them out over its mesh (`_shard`).
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
     `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`.
@@ -108,50 +104,6 @@ class Placement:
             ],
         )
 
-    def _distribute_batch(self, data: Any) -> Any:
-        """A global Keras batch for `fit`: padded (as a `PaddedBatch`), sharded.
-
-        With several processes, each reads the whole global batch and hands
-        JAX only its own rows.
-        """
-        if not self._spans_processes:
-            return self._shard(pad_batch(data, self._local_replicas()))
-        size = batch_size_of(data)
-        local, rows, num_real = global_rows(
-            data, self.num_replicas_in_sync, self._process_rows(_padded(size, self))
-        )
-        return as_padded_batch(self._shard(local, rows), num_real)
-
-    def _distribute_block(self, block: Any, rows: int, num_real) -> Any:
-        """This process's padded block of a per-process batch -> a Keras batch."""
-        return as_padded_batch(self._shard(block, rows * self._process_count), num_real)
-
-    def _distribute_element(self, element: Any, block=None) -> Any:
-        """A dataset element: same structure, padded arrays remember real rows.
-
-        `block` is `(rows, num_real)` when `element` is this process's padded
-        block of a per-process batch.
-        """
-        if block is not None:
-            rows, num_real = block
-            arrays = self._shard(element, rows * self._process_count)
-        elif not self._spans_processes:
-            padded, num_real = pad_rows(element, self._local_replicas())
-            arrays = self._shard(padded)
-        else:
-            size = batch_size_of(element)
-            local, rows, num_real = global_rows(
-                element,
-                self.num_replicas_in_sync,
-                self._process_rows(_padded(size, self)),
-            )
-            arrays = self._shard(local, rows)
-        if num_real is not None:
-            for leaf in jax.tree.leaves(arrays):
-                if leaf.ndim:
-                    mark_padded(leaf, num_real)
-        return arrays
-
     def distribute_dataset(self, dataset):
         """Keras's hook for tf.data inputs of fit/evaluate/predict.
 
@@ -161,9 +113,3 @@ class Placement:
         `global_batch / num_processes` rows per step.
         """
         return _auto_shard.per_process_share(self, dataset)
-
-
-def _padded(size: int | None, strategy) -> int:
-    """`size` rounded up to a multiple of the replicas."""
-    n = strategy.num_replicas_in_sync
-    return -(-(size or 0) // n) * n

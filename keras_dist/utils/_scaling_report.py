@@ -7,6 +7,8 @@ import time
 import jax
 import keras
 
+from keras_dist.data import _call
+
 __all__ = ["ScalingReport"]
 
 
@@ -61,8 +63,7 @@ class ScalingReport(keras.callbacks.Callback):
         from keras_dist.strategies._ownership import strategy_of_model
 
         self._strategy = strategy_of_model(self.model)
-        if self._strategy is not None:
-            self._strategy._input_stats.reset()
+        self._call = _call.active()  # The fit's: its input timings.
         self._epochs: list[tuple[float, int]] = []  # (train seconds, steps)
         self._first_step = None
         self._start = time.perf_counter()
@@ -98,7 +99,8 @@ class ScalingReport(keras.callbacks.Callback):
 
     def _summarize(self, total: float) -> dict:
         strategy = self._strategy
-        batch = getattr(strategy, "_observed_batch_size", None)
+        call = self._call
+        batch = call.batch_size if call is not None else None
         if batch is None:
             batch = self.params.get("batch_size") if self.params else None
         steady = [s / n for s, n in self._epochs[1:] if n]
@@ -110,8 +112,8 @@ class ScalingReport(keras.callbacks.Callback):
         if self._first_step is not None and step is not None:
             compile_seconds = max(0.0, self._first_step - step)
         input_step = None
-        if strategy is not None:
-            input_step = strategy._input_stats.seconds_per_batch
+        if call is not None:
+            input_step = call.input_stats.seconds_per_batch
         fraction = input_step / step if input_step is not None and step else None
         return {
             "strategy": repr(strategy) if strategy is not None else None,

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist.data._pipeline import element
 from tests._helpers import mirrored
 from tests.conftest import REPLICA_COUNTS
 
@@ -19,7 +20,7 @@ def _strategy(n):
 
 def _batch(strategy, rows, features=3):
     x = np.arange(rows * features, dtype="float32").reshape(rows, features)
-    return x, strategy._distribute_element(x)
+    return x, element(strategy, x)
 
 
 @pytest.mark.parametrize("n", STRATEGIES)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist.data._pipeline import keras_batch
 from keras_dist.errors import StrategyMismatchError
 from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 from tests.conftest import REPLICA_COUNTS
@@ -119,7 +120,7 @@ def test_fit_input_is_sharded_over_the_batch_axis(n):
 def test_batches_become_global_arrays_split_over_replicas(n):
     strategy = mirrored(n)
     x, y, sw = make_data(32)
-    x_dev, y_dev, sw_dev = strategy._distribute_batch((x, y, sw))
+    x_dev, y_dev, sw_dev = keras_batch(strategy, (x, y, sw))
     for host, dev in ((x, x_dev), (y, y_dev), (sw, sw_dev)):
         assert dev.shape == host.shape
         assert {s.data.shape[0] for s in dev.addressable_shards} == {32 // n}

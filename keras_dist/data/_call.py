@@ -1,0 +1,133 @@
+"""`CallState`: what one `fit`/`evaluate`/`predict` call shares, and its owner.
+
+A Keras call runs many parts of keras_dist: the entry-point seam, the input
+pipeline of every pass, the step seams and the callbacks. What they share
+lives here, in one declared object per call, instead of in attributes written
+on a strategy or a model for another module to read:
+
+- the strategy the call runs under, and the call's `initial_epoch`;
+- the global batch size seen on the first batch, and host input timings
+  (`LearningRateWarmup`, `ScalingReport`);
+- a pending resume (`BackupAndRestore` restores, the first training pass
+  replays up to the backed-up step);
+- what must be undone when the call ends, however it ends (prefetch threads,
+  signal handlers): `on_close`.
+
+Calls nest (`fit` runs `evaluate` for validation); a nested call shares the
+outermost call's timings and closers, so a pass that outlives one validation
+(`validation_steps` keeps Keras's iterator across epochs) lives as long as the
+`fit`.
+"""
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from keras_dist.data._input_stats import InputStats
+
+__all__ = ["CallState", "ResumePlan", "active", "enter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """Where the input of a resumed `fit` must start.
+
+    Attributes:
+        epochs: epochs of this `fit` already trained before the backup, each
+            replayed through Keras's own epoch iterator (read, not trained) so
+            the iterator reaches the state it had: every shuffle repeats, and
+            with `steps_per_epoch` the one iterator Keras keeps across epochs
+            is where it was.
+        steps: batches of the resumed epoch already trained on.
+    """
+
+    epochs: int
+    steps: int
+
+
+@dataclasses.dataclass(eq=False)
+class CallState:
+    """The state one `fit`/`evaluate`/`predict`/`*_on_batch` call shares.
+
+    Attributes:
+        method: the Keras method (`"fit"`, `"evaluate"`, ...).
+        strategy: the keras_dist strategy the call runs under.
+        initial_epoch: `fit`'s `initial_epoch` argument.
+        parent: the enclosing call (validation inside `fit`), or None.
+        batch_size: the global batch size of the first batch read, if any.
+        input_stats: host time spent producing batches (shared with parents).
+        resume: a pending `ResumePlan`, taken by the first training pass.
+    """
+
+    method: str
+    strategy: Any
+    initial_epoch: int = 0
+    parent: "CallState | None" = None
+    batch_size: int | None = None
+    input_stats: InputStats = dataclasses.field(default_factory=InputStats)
+    resume: ResumePlan | None = None
+    _closers: list = dataclasses.field(default_factory=list)
+
+    @property
+    def root(self) -> "CallState":
+        state = self
+        while state.parent is not None:
+            state = state.parent
+        return state
+
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Runs `closer()` when the outermost call ends (normally or not)."""
+        self.root._closers.append(closer)
+
+    def observe_batch_size(self, size: int | None) -> None:
+        if size is not None:
+            for state in (self, self.root):
+                if state.batch_size is None:
+                    state.batch_size = size
+
+    def take_resume(self) -> ResumePlan | None:
+        plan, self.resume = self.resume, None
+        return plan
+
+    def _close(self) -> None:
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception as error:  # Close the rest; never mask the call's.
+                warnings.warn(
+                    f"keras_dist could not clean up after the call ({closer!r}): "
+                    f"{error!r}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+
+_STACK: list[CallState] = []
+
+
+def active() -> CallState | None:
+    """The innermost running call, or None outside any keras_dist call."""
+    return _STACK[-1] if _STACK else None
+
+
+@contextlib.contextmanager
+def enter(method: str, strategy: Any, *, initial_epoch: int = 0) -> Iterator[CallState]:
+    """Runs a call: its `CallState` is active inside; closed at the end."""
+    parent = active()
+    state = CallState(
+        method=method,
+        strategy=strategy,
+        initial_epoch=initial_epoch,
+        parent=parent,
+        input_stats=parent.root.input_stats if parent else InputStats(),
+    )
+    _STACK.append(state)
+    try:
+        yield state
+    finally:
+        _STACK.remove(state)
+        if parent is None:
+            state._close()

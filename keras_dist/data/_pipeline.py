@@ -1,0 +1,231 @@
+"""The one input pipeline: read → check → pad → lay out → prefetch.
+
+Every batch that reaches a keras_dist strategy goes through here: the passes
+of `fit`/`evaluate`/`predict` (Keras's per-pass iterator seam), the single
+batches of `*_on_batch`, and the iterators of `experimental_distribute_dataset`
+and `distribute_datasets_from_function`. One pass (`InputPass`):
+
+1. **read** host batches from the source (a Keras data adapter's iterator, a
+   `tf.data` iterator, any iterable of batches);
+2. **check** each against the pass's first batch (`BatchSignature`) and, with
+   several processes, that every process reads the same data (or agree on
+   each step's per-process rows, `ProcessBlocks`);
+3. **pad** a batch that does not split over the replicas with zero rows to a
+   multiple of them, keeping the count of real rows (`_partial_batch`);
+4. **lay out** this process's rows over the mesh (the strategy's `_shard`);
+5. **prefetch** one step ahead on a background thread — only for sources that
+   Keras (or the user) can restart: read-ahead never takes a batch from a
+   one-shot generator that nobody could give back.
+
+The real-row count travels with the batch in one of two carriers of the same
+value: for Keras a `PaddedBatch` (static pytree data: the compiled step cuts
+the padding before the model sees it, in every execution mode); for user
+code the arrays themselves are marked, so `strategy.run`, `gather`, `reduce`
+and `compute_average_loss` leave the padding out.
+"""
+
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+from keras_dist.cluster import _sync
+from keras_dist.data import _call
+from keras_dist.data._batch_checks import BatchSignature
+from keras_dist.data._multi_process import (
+    ProcessBlocks,
+    check_pass_end,
+    check_pass_start,
+    global_rows,
+)
+from keras_dist.data._partial_batch import (
+    as_padded_batch,
+    batch_size_of,
+    mark_padded,
+    pad_rows,
+    round_up,
+)
+from keras_dist.data._prefetch import Prefetcher
+
+__all__ = ["InputPass", "element", "keras_batch", "lay_out"]
+
+
+def lay_out(strategy, data: Any) -> tuple[Any, Any]:
+    """A global batch every process reads -> (global arrays, real rows or None)."""
+    if not strategy._spans_processes:
+        padded, num_real = pad_rows(data, strategy._local_replicas())
+        return strategy._shard(padded), num_real
+    replicas = strategy.num_replicas_in_sync
+    rows = strategy._process_rows(round_up(batch_size_of(data) or 0, replicas))
+    local, size, num_real = global_rows(data, replicas, rows)
+    return strategy._shard(local, size), num_real
+
+
+def keras_batch(strategy, data: Any) -> Any:
+    """One Keras batch `(x, y, sample_weight)` laid out: a `PaddedBatch` if padded."""
+    arrays, num_real = lay_out(strategy, data)
+    return as_padded_batch(arrays, num_real)
+
+
+def element(strategy, data: Any) -> Any:
+    """One batch in its own structure, laid out; padded arrays are marked."""
+    return _marked(*lay_out(strategy, data))
+
+
+def _marked(arrays: Any, num_real) -> Any:
+    if num_real is not None:
+        for leaf in jax.tree.leaves(arrays):
+            if getattr(leaf, "ndim", 0):
+                mark_padded(leaf, num_real)
+    return arrays
+
+
+class _Reader:
+    """The host side of a pass and its layout; iterated by the prefetch thread.
+
+    Holds no reference to the `InputPass` that owns it, so dropping the pass
+    stops its thread.
+    """
+
+    def __init__(self, strategy, batches, *, source, per_process, channel, call):
+        self.strategy = strategy
+        self.source = source
+        self.call = call
+        self.host = self._checked(iter(batches), per_process, channel)
+
+    def _checked(self, batches: Iterator[Any], per_process: bool, channel: str):
+        """Yields `(host rows, global rows or None, real rows)` per step."""
+        strategy, signature = self.strategy, BatchSignature(self.source)
+        if strategy._spans_processes and per_process:
+            blocks = ProcessBlocks(strategy._local_replicas(), self.source, channel)
+            for index in range(1 << 62):
+                data = next(batches, None)
+                if data is not None:
+                    signature.check(data, index)
+                agreed = blocks(data)
+                if agreed is None:
+                    return
+                block, rows, num_real = agreed
+                yield block, rows * strategy._process_count, num_real
+        index = -1
+        for index, data in enumerate(batches):
+            signature.check(data, index)
+            if index == 0:
+                if self.call is not None:
+                    self.call.observe_batch_size(batch_size_of(data))
+                if strategy._spans_processes:
+                    check_pass_start(data, self.source, channel + "/start")
+            yield data, None, None
+        if strategy._spans_processes:
+            check_pass_end(index + 1, self.source, channel + "/end")
+
+    def lay_out(self, item) -> tuple[Any, Any]:
+        data, rows, num_real = item
+        if rows is None:
+            return lay_out(self.strategy, data)
+        return self.strategy._shard(data, rows), num_real
+
+    def produced(self, keras: bool) -> Iterator[Any]:
+        stats = self.call.input_stats if self.call is not None else None
+        first = True
+        while True:
+            start = time.perf_counter()
+            item = next(self.host, None)
+            if item is None:
+                return
+            arrays, num_real = self.lay_out(item)
+            if stats is not None:
+                stats.record(time.perf_counter() - start, first=first)
+            first = False
+            yield (
+                as_padded_batch(arrays, num_real)
+                if keras
+                else _marked(arrays, num_real)
+            )
+
+
+class InputPass:
+    """One pass over an input, as global batches laid out over a strategy.
+
+    Args:
+        strategy: where the batches go.
+        batches: the host batches of this pass (global batches, or this
+            process's rows with `per_process`).
+        source: names the input in errors.
+        per_process: each process brings its own rows (`AutoShardPolicy.FILE`
+            / `OFF`, `distribute_datasets_from_function`).
+        keras: yield Keras batches (`PaddedBatch` when padded) instead of the
+            source's structure with marked arrays.
+        prefetch: batches to prepare ahead on a background thread (0: none).
+            Only for sources that can be read again from the start.
+        channel: the cross-process exchange kind; the channel is named here,
+            on the main thread, in the same order on every process.
+    """
+
+    def __init__(
+        self,
+        strategy,
+        batches,
+        *,
+        source: str,
+        per_process: bool = False,
+        keras: bool = True,
+        prefetch: int = 0,
+        channel: str = "input",
+    ):
+        call = _call.active()
+        named = _sync.channel(channel) if strategy._spans_processes else ""
+        self._reader = _Reader(
+            strategy,
+            batches,
+            source=source,
+            per_process=per_process,
+            channel=named,
+            call=call,
+        )
+        self._out = self._reader.produced(keras)
+        self._prefetcher = None
+        if prefetch:
+            # Lazy: a resume skips batches (on this thread) before the first step.
+            self._prefetcher = Prefetcher(self._out, prefetch, lazy=True)
+            if call is not None:
+                call.on_close(_closer(self._prefetcher))
+
+    def skip(self, count: int) -> int:
+        """Reads `count` batches without laying them out; returns how many there were.
+
+        Only before the first `next()`: a resumed `fit` replays its input so.
+        """
+        if self._prefetcher is not None and self._prefetcher.started:
+            raise RuntimeError("InputPass.skip() after the pass has started.")
+        for done in range(count):
+            if next(self._reader.host, None) is None:
+                return done
+        return count
+
+    def __iter__(self) -> "InputPass":
+        return self
+
+    def __next__(self) -> Any:
+        if self._prefetcher is not None:
+            return next(self._prefetcher)
+        return next(self._out)
+
+    def close(self) -> None:
+        """Stops the prefetch thread, if any (also done when dropped)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+
+def _closer(prefetcher: Prefetcher):
+    """Closes `prefetcher` at the call's end unless it is gone already."""
+    ref = weakref.ref(prefetcher)
+
+    def close() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.close()
+
+    return close
