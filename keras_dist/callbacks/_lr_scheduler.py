@@ -2,6 +2,7 @@
 
 import inspect
 
+import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -16,6 +17,9 @@ from keras_dist.callbacks._lr_control import (
 )
 
 __all__ = ["LearningRateScheduler"]
+
+# Steps of a compiled per-step schedule checked on the host per evaluation.
+_CHUNK = 10_000
 
 
 class LearningRateScheduler(keras.callbacks.Callback):
@@ -37,6 +41,15 @@ class LearningRateScheduler(keras.callbacks.Callback):
     sched = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)
     kd.callbacks.LearningRateScheduler(sched, per="step")
     ```
+
+    A rate that is not a number, NaN or negative raises, naming the epoch
+    or step, before that epoch or step trains. A traceable per-step schedule
+    runs inside the compiled step, so at each epoch's start it is evaluated
+    on the host (`jax.vmap` over the steps, 10,000 a call; one call per step
+    if it cannot be vmapped) for every step the epoch will run: a bad rate
+    stops `fit` before the epoch trains at all. When the epoch's length is
+    unknown (a generator), it is evaluated 10,000 steps ahead and raises at
+    the batch that would run the first bad step.
 
     Args:
         schedule: `f(epoch)`, `f(epoch, lr)`, a
@@ -66,6 +79,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self.verbose = verbose
         self._takes_lr = _takes_lr(schedule)
         self._in_step = per == "step" and not self._takes_lr and is_traceable(schedule)
+        self._epoch_start = 0
+        self._checked_to = None  # Checked below this step (unknown epoch length).
+        self._bad = None  # The first bad (step, rate) found ahead.
 
     def on_train_begin(self, logs=None):
         control = controlled(self.model)
@@ -77,14 +93,55 @@ class LearningRateScheduler(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         if self.per == "epoch":
             self._set(epoch, f"epoch {epoch}")
+        elif self._in_step:
+            self._check_epoch_steps()
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self.per == "step" and not self._in_step:
+        if self._in_step:
+            if self._checked_to is not None:  # Unknown epoch length.
+                # `batch` counts steps: this batch runs steps_per_execution.
+                runs = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
+                self._check_through(self._epoch_start + batch + runs - 1)
+        elif self.per == "step":
             from keras_dist._keras_compat import sync_state
 
             sync_state(self.model)
             step = int(np.asarray(self.model.optimizer.iterations.value))
             self._set(step, f"step {step}")
+
+    def _check_epoch_steps(self) -> None:
+        """Checks the compiled schedule at the steps the coming epoch runs.
+
+        The steps are the optimizer's iteration count now and on, one per
+        batch (also with `steps_per_execution`). With a known epoch length
+        all are checked here, before the epoch trains; otherwise they are
+        checked `_CHUNK` ahead, as the batches come.
+        """
+        from keras_dist._keras_compat import sync_state
+
+        sync_state(self.model)
+        start = int(np.asarray(self.model.optimizer.iterations.value))
+        self._epoch_start = start
+        self._bad = None
+        steps = (self.params or {}).get("steps")
+        if steps:
+            self._checked_to = None
+            for low in range(start, start + steps, _CHUNK):
+                bad = _first_bad(self.schedule, low, min(low + _CHUNK, start + steps))
+                if bad is not None:
+                    _raise_bad(*bad)
+        else:
+            self._checked_to = start
+            self._check_through(start)
+
+    def _check_through(self, last: int) -> None:
+        """Raises if a step up to `last` has a bad rate (evaluating ahead)."""
+        while self._bad is None and self._checked_to <= last:
+            low = self._checked_to
+            self._bad = _first_bad(self.schedule, low, low + _CHUNK)
+            self._checked_to = low + _CHUNK
+        if self._bad is not None and self._bad[0] <= last:
+            _raise_bad(*self._bad)
 
     def _set(self, when: int, label: str) -> None:
         control = controlled(self.model)
@@ -107,6 +164,39 @@ class LearningRateScheduler(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         release(self.model)  # The last rate stays, as a plain variable.
+
+
+def _first_bad(schedule, start: int, stop: int):
+    """`(step, rate)` of the first NaN or negative rate in [start, stop), or None.
+
+    Evaluates as the compiled step does (float32 step in, float32 rate out):
+    one `jax.vmap` call over the steps, or one call per step for a schedule
+    that cannot be vmapped.
+    """
+    steps = jnp.arange(start, stop, dtype="float32")
+    try:
+        rates = np.asarray(
+            jax.vmap(lambda s: jnp.asarray(schedule(s), "float32"))(steps)
+        )
+        if rates.shape != steps.shape:
+            raise ValueError(rates.shape)
+    except Exception:  # Not vmappable: one host call per step.
+        rates = np.array(
+            [
+                np.asarray(schedule(jnp.float32(s)), "float32")
+                for s in range(start, stop)
+            ],
+            dtype="float32",
+        )
+    bad = np.flatnonzero(~(rates >= 0))  # NaN or negative.
+    if not bad.size:
+        return None
+    return start + int(bad[0]), rates[bad[0]]
+
+
+def _raise_bad(step: int, rate) -> None:
+    # The float32 rate, printed as short as it round-trips (-0.1, not -0.100000001).
+    check_rate(float(str(np.float32(rate))), what=f"`schedule` at step {step}")
 
 
 def _takes_lr(schedule) -> bool:

@@ -1,12 +1,23 @@
 """PrintLR, LearningRateScheduler and LearningRateWarmup under a strategy."""
 
+import math
+
+import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
 import pytest
 
 import keras_dist as kd
-from tests._helpers import mirrored
+from tests._helpers import (
+    assert_weights_close,
+    compile_model,
+    initial_weights,
+    make_data,
+    make_model,
+    mirrored,
+)
 
 X = np.random.RandomState(0).randn(40, 6).astype("float32")
 Y = (X[:, 0] > 0).astype("int32")
@@ -264,3 +275,121 @@ def test_print_lr_with_a_schedule_built_optimizer(capsys):
     np.testing.assert_allclose(history.history["learning_rate"], expected, rtol=1e-6)
     out = capsys.readouterr().out
     assert f"Learning rate for epoch 2 is {np.float32(expected[1])!s}" in out
+
+
+BAD_STEP = 7  # Mid second epoch: 5 steps an epoch.
+
+
+def _traceable(kind):
+    """Positive before BAD_STEP, then negative or NaN; each a traceable kind."""
+    if kind == "negative":
+        return lambda step: jnp.where(step < BAD_STEP, 0.01, -0.1)
+    if kind == "nan":
+        return lambda step: jnp.where(step < BAD_STEP, 0.01, jnp.nan)
+    if kind == "cond":  # Takes no arrays (lax.cond): checked under jax.vmap.
+        return lambda step: jax.lax.cond(step < BAD_STEP, lambda: 0.01, lambda: -0.1)
+    # Neither arrays nor vmap: checked one host call per step.
+    return lambda step: jax.pure_callback(
+        lambda s: np.float32(0.01 if s < BAD_STEP else -0.1),
+        jax.ShapeDtypeStruct((), jnp.float32),
+        step,
+    )
+
+
+def _lr_model(steps_per_execution=1):
+    weights = initial_weights()
+    with mirrored(8).scope():
+        model = make_model()
+        model.set_weights(weights)
+        compile_model(model)
+        if steps_per_execution > 1:
+            model.compile(
+                optimizer="adam",
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=steps_per_execution,
+            )
+    return model
+
+
+@pytest.mark.parametrize(
+    ("kind", "steps_per_execution", "received"),
+    [
+        ("negative", 1, "-0.1"),
+        ("nan", 1, "nan"),
+        ("negative", 3, "-0.1"),
+        ("cond", 1, "-0.1"),
+        ("callback", 1, "-0.1"),
+    ],
+)
+def test_per_step_compiled_schedule_checked_before_the_bad_epoch(
+    kind, steps_per_execution, received
+):
+    x, y, _ = make_data(40)
+    schedule = _traceable(kind)
+
+    def fit(model, epochs):
+        scheduler = kd.callbacks.LearningRateScheduler(schedule, per="step")
+        assert scheduler._in_step
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=[scheduler],
+        )
+
+    reference = _lr_model(steps_per_execution)
+    fit(reference, 1)  # Steps 0-4 only: all fine.
+    model = _lr_model(steps_per_execution)
+    with pytest.raises(ValueError, match="non-negative learning rate") as info:
+        fit(model, 3)
+    assert f"`schedule` at step {BAD_STEP} " in str(info.value)
+    assert f"Received: {received}." in str(info.value)
+    # The second epoch (steps 5-9) did not train at all.
+    assert int(np.asarray(model.optimizer.iterations.value)) == STEPS
+    assert_weights_close(reference.get_weights(), model.get_weights(), 0, 0)
+
+
+def test_per_step_compiled_schedule_with_unknown_epoch_length():
+    """A generator's epoch length is unknown: raises just before the bad step."""
+    x, y, _ = make_data(80)
+
+    def batches(count):
+        for i in range(count):
+            yield x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+
+    def fit(model, count, schedule):
+        model.fit(
+            batches(count),
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[kd.callbacks.LearningRateScheduler(schedule, per="step")],
+        )
+
+    # Keras calls on_train_batch_begin once more before it finds the data
+    # ended, so the reference's schedule is 0.01 throughout (as at steps 0-6).
+    reference = _lr_model()
+    fit(reference, BAD_STEP, lambda step: jnp.full_like(step, 0.01))
+    model = _lr_model()
+    with pytest.raises(ValueError, match=f"at step {BAD_STEP} .*Received: -0.1"):
+        fit(model, 10, _traceable("negative"))
+    assert int(np.asarray(model.optimizer.iterations.value)) == BAD_STEP
+    assert_weights_close(reference.get_weights(), model.get_weights(), 0, 0)
+
+
+def test_per_step_python_schedule_going_negative_names_the_step():
+    def schedule(step):  # Not traceable (`if`, `math`): set on the host per step.
+        if step < BAD_STEP:
+            return 0.01 * math.cos(step / 100)
+        return -0.1
+
+    scheduler = kd.callbacks.LearningRateScheduler(schedule, per="step")
+    assert not scheduler._in_step
+    model = _model(mirrored(8))
+    with pytest.raises(ValueError, match=r"Received: -0\.1\.") as info:
+        _fit(model, 3, scheduler)
+    assert f"`schedule` at step {BAD_STEP} must return" in str(info.value)
+    assert int(np.asarray(model.optimizer.iterations.value)) == BAD_STEP
