@@ -2,7 +2,13 @@
 
 Used by tests/callbacks/test_backup_and_restore.py as a real, separate process:
     python resume_script.py OUT_DIR   (env: KD_REPLICAS, KD_BACKUP, KD_KILL_AT,
-                                       KD_SIGNAL=KILL|TERM, KD_SAVE_FREQ, KD_WIDTH)
+                                       KD_SIGNAL=KILL|TERM, KD_SAVE_FREQ, KD_WIDTH,
+                                       KD_INPUT)
+KD_INPUT picks the input: "numpy" (default: shuffled arrays, validation_split),
+"repeat" (tf.data shuffled each pass, `.repeat()`, steps_per_epoch=5: tf's
+multi-worker tutorial), "generator" (an infinite generator, steps_per_epoch=5),
+"finite-spe" (a finite tf.data of 8 batches read 3 steps per epoch: Keras keeps
+one iterator across epochs), "one-shot" (a finite generator read to its end).
 Writes OUT_DIR/weights.npz and OUT_DIR/history.json when fit completes.
 """
 
@@ -68,16 +74,35 @@ if os.environ.get("KD_BACKUP"):
             save_freq="epoch" if save_freq == "epoch" else int(save_freq),
         ),
     )
-history = model.fit(
-    x,
-    y,
-    batch_size=8,
-    epochs=4,
-    shuffle=True,
-    validation_split=0.1,
-    verbose=0,
-    callbacks=callbacks,
-)
+kind = os.environ.get("KD_INPUT", "numpy")
+
+
+def infinite_generator():
+    draw = np.random.RandomState(5)
+    while True:
+        rows = draw.randint(0, len(x), size=8)
+        yield x[rows], y[rows]
+
+
+def one_shot_generator():
+    for start in range(0, len(x), 8):
+        yield x[start : start + 8], y[start : start + 8]
+
+
+if kind == "numpy":
+    inputs = {"x": x, "y": y, "batch_size": 8, "shuffle": True}
+    inputs["validation_split"] = 0.1
+else:
+    import tensorflow as tf
+
+    shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(61, seed=3)
+    inputs = {
+        "repeat": {"x": shuffled.batch(8).repeat(), "steps_per_epoch": 5},
+        "generator": {"x": infinite_generator(), "steps_per_epoch": 5},
+        "finite-spe": {"x": shuffled.batch(8), "steps_per_epoch": 3},
+        "one-shot": {"x": one_shot_generator()},
+    }[kind]
+history = model.fit(epochs=4, verbose=0, callbacks=callbacks, **inputs)
 os.makedirs(out_dir, exist_ok=True)
 np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights())
 with open(os.path.join(out_dir, "history.json"), "w") as f:

@@ -161,3 +161,86 @@ def test_bad_input(tmp_path):
     blocked.write_text("x")
     with pytest.raises(PermissionError, match="Received: backup_dir="):
         kd.callbacks.BackupAndRestore(blocked / "backup")
+
+
+# Inputs read with `steps_per_epoch` (the pattern of tf's multi-worker
+# tutorial), and an infinite generator: the restart replays by steps, never
+# waits for the end of an endless pass, and lands on the batches an
+# uninterrupted run trains on. Step 7 is mid-epoch 2 of 5-step epochs; with
+# "finite-spe" (3 steps per epoch of an 8-batch dataset whose one iterator
+# Keras keeps across epochs) it is mid-epoch 3, in the dataset's second pass.
+@pytest.mark.parametrize("kind", ["repeat", "generator", "finite-spe"])
+def test_kill_and_restart_with_steps_per_epoch_is_exact(tmp_path, kind):
+    reference_run = _run(tmp_path / "reference", KD_INPUT=kind)
+    assert reference_run.returncode == 0, reference_run.stderr[-3000:]
+    backup = tmp_path / "backup"
+    killed = _run(
+        tmp_path / "out", KD_INPUT=kind, KD_BACKUP=backup, KD_KILL_AT=7,
+        KD_SIGNAL="KILL",
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _run(tmp_path / "out", KD_INPUT=kind, KD_BACKUP=backup)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at epoch" in resumed.stdout
+    ref_weights, _ = _result(tmp_path / "reference")
+    weights, _ = _result(tmp_path / "out")
+    for a, b in zip(ref_weights, weights, strict=True):
+        np.testing.assert_array_equal(b, a)  # Bit-identical.
+
+
+def test_a_one_shot_generator_is_refused_before_training(tmp_path):
+    """Read to its end in epoch 0, it cannot be replayed for a later epoch."""
+    backup = tmp_path / "backup"
+    killed = _run(
+        tmp_path / "out", KD_INPUT="one-shot", KD_BACKUP=backup, KD_KILL_AT=9,
+        KD_SIGNAL="KILL",
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _run(tmp_path / "out", KD_INPUT="one-shot", KD_BACKUP=backup)
+    assert resumed.returncode != 0
+    assert "IncompatibleBackupError" in resumed.stderr
+    assert "Python generator" in resumed.stderr
+    assert "steps_per_epoch" in resumed.stderr
+    assert "Received: x of type generator" in resumed.stderr
+    assert backup.exists()  # The backup is kept for a fixed program.
+    assert not (tmp_path / "out" / "weights.npz").exists()
+
+
+_FAILING_FIT = """
+import os, signal, sys, tempfile
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["KERAS_BACKEND"] = "jax"
+import keras, numpy as np
+import keras_dist as kd
+
+strategy = kd.MirroredStrategy()
+with strategy.scope():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse")
+
+class Fail(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        raise RuntimeError("boom")
+
+try:
+    model.fit(np.ones((16, 4)), np.ones((16, 2)), batch_size=8, verbose=0,
+              callbacks=[kd.callbacks.BackupAndRestore(tempfile.mkdtemp()), Fail()])
+except RuntimeError:
+    print("FIT RAISED", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+print("STILL ALIVE", flush=True)
+"""
+
+
+def test_sigterm_after_a_failed_fit_terminates_the_process():
+    environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-c", _FAILING_FIT],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "FIT RAISED" in result.stdout, result.stderr[-3000:]
+    assert "STILL ALIVE" not in result.stdout
+    assert result.returncode == -15
