@@ -162,21 +162,41 @@ class _PrintSteps(keras.callbacks.Callback):
             print(f"step {step}", flush=True)
 
 
-def backup_run(strategy, backup_dir: str, kill_at: int | None = None) -> list:
-    """3 epochs of 7 steps with backups every 3 steps; may kill itself once."""
+def _stepped_input(kind: str, x, y, sw) -> dict:
+    """Inputs read with `steps_per_epoch` (see `backup_run`)."""
+    shuffled = tf.data.Dataset.from_tensor_slices((x, y, sw)).shuffle(101, seed=3)
+
+    def endless():
+        draw = np.random.RandomState(5)
+        while True:
+            rows = draw.randint(0, len(x), size=BATCH)
+            yield x[rows], y[rows], sw[rows]
+
+    return {
+        # tf's multi-worker tutorial: a repeated dataset, steps_per_epoch.
+        "repeat": {"x": shuffled.batch(BATCH).repeat(), "steps_per_epoch": 5},
+        "generator": {"x": endless(), "steps_per_epoch": 5},
+        # 7 batches read 3 per epoch: Keras keeps one iterator across epochs.
+        "finite-spe": {"x": shuffled.batch(BATCH), "steps_per_epoch": 3},
+    }[kind]
+
+
+def backup_run(
+    strategy, backup_dir: str, kill_at: int | None = None, kind: str = "numpy"
+) -> list:
+    """3 epochs of 7 steps with backups every 3 steps; may kill itself once.
+
+    `kind` other than "numpy" reads a tf.data or generator input with
+    `steps_per_epoch` (`_stepped_input`).
+    """
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
     callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=3), _PrintSteps()]
     if kill_at is not None:
         callbacks.append(_KillAt(kill_at, os.path.join(backup_dir, "..", "killed")))
-    model.fit(
-        x,
-        y,
-        sample_weight=sw,
-        batch_size=BATCH,
-        epochs=3,
-        callbacks=callbacks,
-        shuffle=False,
-        verbose=0,
-    )
+    if kind == "numpy":
+        inputs = {"x": x, "y": y, "sample_weight": sw, "batch_size": BATCH}
+    else:
+        inputs = _stepped_input(kind, x, y, sw)
+    model.fit(epochs=3, callbacks=callbacks, shuffle=False, verbose=0, **inputs)
     return _listed(model.get_weights())

@@ -1,7 +1,8 @@
 """One process of a BackupAndRestore run that may lose a worker.
 
 Args: a work directory; env KD_KILL_RANK / KD_KILL_AT make that rank SIGKILL
-itself after that many train steps (only once: a marker file remembers it).
+itself after that many train steps (only once: a marker file remembers it);
+KD_INPUT picks the input (`_workload.backup_run`).
 Writes `weights_<rank>.json` when training ends.
 """
 
@@ -27,7 +28,12 @@ rank = jax.process_index()
 kill_at = None
 if os.environ.get("KD_KILL_RANK") == str(rank):
     kill_at = int(os.environ["KD_KILL_AT"])
-weights = _workload.backup_run(strategy, os.path.join(workdir, "backup"), kill_at)
+weights = _workload.backup_run(
+    strategy,
+    os.path.join(workdir, "backup"),
+    kill_at,
+    os.environ.get("KD_INPUT", "numpy"),
+)
 with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
     json.dump(weights, f)
 print(f"rank {rank} done", flush=True)

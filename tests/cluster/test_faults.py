@@ -62,6 +62,26 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
         assert_weights_close(expected, weights)
 
 
+@pytest.mark.parametrize("kind", ["repeat", "generator", "finite-spe"])
+def test_a_restart_with_steps_per_epoch_resumes_exactly(tmp_path, kind):
+    """Rank 1 is killed mid-epoch 2 (step 7 of 5-step epochs; with
+    "finite-spe" mid-epoch 3, in the dataset's second pass); the restart
+    replays by steps (never waiting for the end of an endless input) and ends
+    with the weights of an uninterrupted one-device run."""
+    env = {"KD_KILL_RANK": "1", "KD_KILL_AT": "7", "KD_INPUT": kind}
+    first = launch(HERE / "fault_script.py", tmp_path, env=env)
+    assert first.returncode == 137, first.stderr[-3000:]
+    second = launch(HERE / "fault_script.py", tmp_path, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "[0] BackupAndRestore: resuming at epoch" in second.stdout
+    expected = _workload.backup_run(
+        kd.OneDeviceStrategy("cpu:0"), str(tmp_path / "reference"), kind=kind
+    )
+    for rank in (0, 1):
+        weights = json.loads((tmp_path / f"weights_{rank}.json").read_text())
+        assert_weights_close(expected, weights)
+
+
 def _preempt(script, workdir, env, *, after: str, timeout=300):
     """Runs the launcher and sends it SIGTERM once a line `after` is printed."""
     command = [sys.executable, "-m", "keras_dist.launch", "-n", "2"]
