@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from keras_dist.data import _input_checks
 from keras_dist.data._auto_shard import is_per_process, per_process_share
 from keras_dist.data._input_context import InputContext, InputOptions
 from keras_dist.data._pipeline import InputPass
@@ -167,11 +168,13 @@ def distribute_dataset(strategy, dataset: Any, options=None) -> DistributedDatas
             "Batch it by the global batch size first: "
             "`dataset.batch(per_replica_batch * strategy.num_replicas_in_sync)`.",
         )
+    checks = {"argument": "dataset", "per_replica": False}
+    _input_checks.check_dataset(dataset, **checks)
     source = type(dataset).__name__
     dataset = per_process_share(strategy, dataset)
     return DistributedDataset(
         strategy,
-        _host_batches(dataset),
+        _input_checks.first_element_checked(_host_batches(dataset), dataset, **checks),
         options=options,
         source=source,
         per_process=is_per_process(dataset),
@@ -209,7 +212,11 @@ def distribute_datasets_from_function(
             "Batch it by the per-replica batch size: `dataset.batch("
             "input_context.get_per_replica_batch_size(global_batch_size))`.",
         )
-    start = _host_batches(dataset)
+    checks = {"argument": "dataset_fn(input_context)", "per_replica": True}
+    _input_checks.check_dataset(dataset, **checks)
+    start = _input_checks.first_element_checked(
+        _host_batches(dataset), dataset, **checks
+    )
     group = strategy._local_replicas()
     return DistributedDataset(
         strategy,

@@ -4,7 +4,8 @@ Called in the cross-replica context (outside `run`). A value can be a
 `PerReplica`, a global array split over the replicas along its batch axis (a
 batch of a distributed dataset), or any other array, which counts as the same
 value on every replica (so a SUM over replicas multiplies it by the number of
-replicas, as the replicas would). All three accept pytrees.
+replicas, as the replicas would). All three accept pytrees, and refuse a
+`PerReplica` or a batch of another strategy (split over other devices).
 """
 
 import functools
@@ -19,7 +20,9 @@ from keras_dist.strategies._values import (
     PerReplica,
     ReduceOp,
     concat_replicas,
+    foreign_mesh,
     is_per_replica,
+    other_strategy_error,
     real_rows,
 )
 
@@ -36,6 +39,33 @@ def _cross_replica_only(name: str) -> None:
         )
 
 
+def _check_same_strategy(strategy, leaf, name: str, value: Any) -> None:
+    """Refuses a `PerReplica` or batch split over another strategy's mesh."""
+    mesh = foreign_mesh(strategy, leaf)
+    if mesh is None:
+        return
+    argument = "value"
+    for path, other in jax.tree_util.tree_flatten_with_path(
+        value, is_leaf=is_per_replica
+    )[0]:
+        if other is leaf:
+            argument += jax.tree_util.keystr(path)
+            break
+    made = (
+        "whose `run` returned it"
+        if isinstance(leaf, PerReplica)
+        else "that distributed it"
+    )
+    raise other_strategy_error(
+        strategy,
+        leaf,
+        mesh,
+        call=f"strategy.{name}",
+        argument=argument,
+        fix=f"Call `{name}` on the strategy {made}.",
+    )
+
+
 def _as_per_replica(strategy, leaf) -> PerReplica | None:
     if isinstance(leaf, PerReplica):
         return leaf
@@ -46,6 +76,7 @@ def _as_per_replica(strategy, leaf) -> PerReplica | None:
             leaf.reshape(replicas, b, *leaf.shape[1:]),
             num_real=num_real_of(leaf),
             per_replica_batch=b,
+            strategy=strategy,
         )
     return None
 
@@ -72,6 +103,7 @@ def gather(strategy, value: Any, axis: int) -> Any:
     _cross_replica_only("gather")
 
     def one(leaf):
+        _check_same_strategy(strategy, leaf, "gather", value)
         per_replica = _as_per_replica(strategy, leaf)
         if per_replica is None:
             leaf = jnp.asarray(leaf)
@@ -102,6 +134,7 @@ def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
     replicas = strategy.num_replicas_in_sync
 
     def one(leaf):
+        _check_same_strategy(strategy, leaf, "reduce", value)
         per_replica = _as_per_replica(strategy, leaf)
         if per_replica is None:
             leaf = jnp.asarray(leaf)
@@ -128,6 +161,8 @@ def experimental_local_results(strategy, value: Any) -> tuple:
         for i, d in enumerate(strategy.devices)
         if d.process_index == jax.process_index()
     ]
+    for leaf in leaves:
+        _check_same_strategy(strategy, leaf, "experimental_local_results", value)
     per_leaf = [_local_values(strategy, leaf, local) for leaf in leaves]
     if not leaves:
         return (value,)

@@ -5,6 +5,8 @@ Each leaf of the arguments is classified once:
 - a global array split along the batch axis over the strategy's mesh (a
   batch of a distributed dataset): each replica gets its own rows;
 - a `PerReplica` (the output of an earlier `run`): each replica gets its own;
+- a batch or `PerReplica` of another strategy (another mesh): refused, it
+  would otherwise reach every replica whole;
 - any other array (weights, optimizer state, NumPy arrays): every replica
   gets the whole value, replicated, as in tf.distribute;
 - anything else hashable (Python numbers, strings): a compile-time constant.
@@ -32,7 +34,13 @@ from keras_dist.strategies._replica_context import (
     replica_context,
     varies,
 )
-from keras_dist.strategies._values import PerReplica, is_per_replica
+from keras_dist.strategies._values import (
+    PerReplica,
+    foreign_batch_mesh,
+    foreign_mesh,
+    is_per_replica,
+    other_strategy_error,
+)
 
 __all__ = ["run"]
 
@@ -52,10 +60,9 @@ def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
             "`args` must be a tuple of positional arguments. Received: "
             f"args={args!r}. For one argument write args=(x,)."
         )
-    leaves, treedef = jax.tree.flatten(
-        (tuple(args), dict(kwargs or {})), is_leaf=is_per_replica
-    )
-    kinds, values, statics, batch = _classify(strategy, leaves)
+    tree = (tuple(args), dict(kwargs or {}))
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=is_per_replica)
+    kinds, values, statics, batch = _classify(strategy, leaves, tree)
     key = (
         fn,
         treedef,
@@ -71,24 +78,31 @@ def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     return compiled(values)
 
 
-def _classify(strategy, leaves):
+def _classify(strategy, leaves, tree):
     kinds, values, statics = [], [], []
     per_replica_batch, num_real = None, None
     replicas = strategy.num_replicas_in_sync
-    for leaf in leaves:
+    for index, leaf in enumerate(leaves):
         if isinstance(leaf, PerReplica):
+            _check_same_strategy(strategy, leaf, tree, index)
             _check_replicas(leaf, replicas)
             kinds.append(_Kind.STACKED)
             values.append(leaf.stacked)
             if leaf.per_replica_batch is not None and per_replica_batch is None:
                 per_replica_batch, num_real = leaf.per_replica_batch, leaf.num_real
-        elif isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
-            kinds.append(_Kind.BATCH)
-            values.append(leaf)
-            if per_replica_batch is None:
-                per_replica_batch = leaf.shape[0] // replicas
-                num_real = num_real_of(leaf)
-        elif isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        elif isinstance(leaf, jax.Array):
+            if strategy._is_batch_sharded(leaf):
+                kinds.append(_Kind.BATCH)
+                values.append(leaf)
+                if per_replica_batch is None:
+                    per_replica_batch = leaf.shape[0] // replicas
+                    num_real = num_real_of(leaf)
+                continue
+            if foreign_batch_mesh(strategy, leaf) is not None:
+                _check_same_strategy(strategy, leaf, tree, index)
+            kinds.append(_Kind.REPLICATED)
+            values.append(strategy._replicate(leaf))
+        elif isinstance(leaf, (np.ndarray, np.generic)):
             kinds.append(_Kind.REPLICATED)
             values.append(strategy._replicate(leaf))
         else:
@@ -103,6 +117,30 @@ def _classify(strategy, leaves):
             kinds.append(_Kind.STATIC)
             statics.append(leaf)
     return kinds, values, statics, (per_replica_batch, num_real)
+
+
+def _check_same_strategy(strategy, leaf, tree, index: int) -> None:
+    """Refuses a batch or `PerReplica` split over another strategy's mesh."""
+    mesh = foreign_mesh(strategy, leaf)
+    if mesh is None:
+        return
+    path = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_per_replica)[0]
+    keys = path[index][0]
+    argument = ("args", "kwargs")[keys[0].idx] + jax.tree_util.keystr(keys[1:])
+    if isinstance(leaf, PerReplica):
+        fix = (
+            "Run every step on the strategy whose `run` made the value, or "
+            "combine it first with that strategy's `reduce`/`gather`."
+        )
+    else:
+        fix = (
+            "Distribute the dataset with the strategy that runs the step: "
+            "`for batch in strategy.experimental_distribute_dataset(dataset): "
+            "strategy.run(fn, args=(batch,))`, with one `strategy`."
+        )
+    raise other_strategy_error(
+        strategy, leaf, mesh, call="strategy.run", argument=argument, fix=fix
+    )
 
 
 def _check_replicas(value: PerReplica, replicas: int) -> None:
@@ -167,7 +205,12 @@ def _compile(strategy, fn, treedef, kinds, statics, batch, values):
     def call(vals):
         leaves = jitted(*vals)
         wrapped = [
-            PerReplica(leaf, num_real=num_real, per_replica_batch=per_replica_batch)
+            PerReplica(
+                leaf,
+                num_real=num_real,
+                per_replica_batch=per_replica_batch,
+                strategy=strategy,
+            )
             if v
             else leaf
             for leaf, v in zip(leaves, varying, strict=True)
