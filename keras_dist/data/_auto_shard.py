@@ -17,6 +17,8 @@ import enum
 import weakref
 from typing import Any
 
+from keras_dist.data._target import InputTarget
+
 __all__ = [
     "AutoShardPolicy",
     "auto_shard_policy",
@@ -132,17 +134,15 @@ def _is_tf_dataset(dataset: Any) -> bool:
     )
 
 
-def per_process_share(strategy, dataset: Any) -> Any:
+def per_process_share(strategy: InputTarget, dataset: Any) -> Any:
     """`dataset` for a strategy: whole (AUTO/DATA), or this process's share."""
-    if not strategy._spans_processes or not _is_tf_dataset(dataset):
+    if strategy.num_processes == 1 or not _is_tf_dataset(dataset):
         return dataset
     policy = auto_shard_policy(dataset)
     if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.DATA):
         return dataset
-    import jax
-
     share = shard_per_process(
-        dataset, policy, strategy._process_count, jax.process_index()
+        dataset, policy, strategy.num_processes, strategy.process_id
     )
     _PER_PROCESS.add(share)
     return share

@@ -20,6 +20,7 @@ from keras_dist.data import _input_checks
 from keras_dist.data._auto_shard import is_per_process, per_process_share
 from keras_dist.data._input_context import InputContext, InputOptions
 from keras_dist.data._pipeline import InputPass
+from keras_dist.data._target import InputTarget
 
 __all__ = [
     "DistributedDataset",
@@ -80,7 +81,7 @@ class DistributedIterator:
 
     def __init__(
         self,
-        strategy,
+        strategy: InputTarget,
         host_iterator: Iterator[Any],
         options: InputOptions,
         source: str,
@@ -122,7 +123,7 @@ class DistributedDataset:
 
     def __init__(
         self,
-        strategy,
+        strategy: InputTarget,
         start_pass: Callable[[], Iterator[Any]],
         *,
         options: InputOptions,
@@ -159,7 +160,9 @@ def _options(options: InputOptions | None) -> InputOptions:
     return options
 
 
-def distribute_dataset(strategy, dataset: Any, options=None) -> DistributedDataset:
+def distribute_dataset(
+    strategy: InputTarget, dataset: Any, options=None
+) -> DistributedDataset:
     options = _options(options)
     if _is_tf_dataset(dataset):
         _check_batched(
@@ -196,14 +199,18 @@ def _grouped(batches: Iterator[Any], group: int) -> Iterator[Any]:
 
 
 def distribute_datasets_from_function(
-    strategy, dataset_fn: Callable[[InputContext], Any], options=None
+    strategy: InputTarget, dataset_fn: Callable[[InputContext], Any], options=None
 ) -> DistributedDataset:
     options = _options(options)
     if not callable(dataset_fn):
         raise TypeError(
             f"`dataset_fn` must be callable. Received: dataset_fn={dataset_fn!r}."
         )
-    context = strategy._input_context()
+    context = InputContext(
+        num_input_pipelines=strategy.num_processes,
+        input_pipeline_id=strategy.process_id,
+        num_replicas_in_sync=strategy.num_replicas_in_sync,
+    )
     dataset = dataset_fn(context)
     if _is_tf_dataset(dataset):
         _check_batched(
@@ -217,7 +224,7 @@ def distribute_datasets_from_function(
     start = _input_checks.first_element_checked(
         _host_batches(dataset), dataset, **checks
     )
-    group = strategy._local_replicas()
+    group = strategy.num_local_replicas
     return DistributedDataset(
         strategy,
         lambda: _grouped(start(), group),

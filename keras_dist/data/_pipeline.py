@@ -48,28 +48,29 @@ from keras_dist.data._partial_batch import (
     round_up,
 )
 from keras_dist.data._prefetch import Prefetcher
+from keras_dist.data._target import InputTarget
 
 __all__ = ["InputPass", "element", "keras_batch", "lay_out"]
 
 
-def lay_out(strategy, data: Any) -> tuple[Any, Any]:
+def lay_out(strategy: InputTarget, data: Any) -> tuple[Any, Any]:
     """A global batch every process reads -> (global arrays, real rows or None)."""
-    if not strategy._spans_processes:
-        padded, num_real = pad_rows(data, strategy._local_replicas())
-        return strategy._shard(padded), num_real
+    if not strategy.num_processes > 1:
+        padded, num_real = pad_rows(data, strategy.num_local_replicas)
+        return strategy.shard(padded), num_real
     replicas = strategy.num_replicas_in_sync
-    rows = strategy._process_rows(round_up(batch_size_of(data) or 0, replicas))
+    rows = strategy.process_rows(round_up(batch_size_of(data) or 0, replicas))
     local, size, num_real = global_rows(data, replicas, rows)
-    return strategy._shard(local, size), num_real
+    return strategy.shard(local, size), num_real
 
 
-def keras_batch(strategy, data: Any) -> Any:
+def keras_batch(strategy: InputTarget, data: Any) -> Any:
     """One Keras batch `(x, y, sample_weight)` laid out: a `PaddedBatch` if padded."""
     arrays, num_real = lay_out(strategy, data)
     return as_padded_batch(arrays, num_real)
 
 
-def element(strategy, data: Any) -> Any:
+def element(strategy: InputTarget, data: Any) -> Any:
     """One batch in its own structure, laid out; padded arrays are marked."""
     return _marked(*lay_out(strategy, data))
 
@@ -98,8 +99,8 @@ class _Reader:
     def _checked(self, batches: Iterator[Any], per_process: bool, channel: str):
         """Yields `(host rows, global rows or None, real rows)` per step."""
         strategy, signature = self.strategy, BatchSignature(self.source)
-        if strategy._spans_processes and per_process:
-            blocks = ProcessBlocks(strategy._local_replicas(), self.source, channel)
+        if strategy.num_processes > 1 and per_process:
+            blocks = ProcessBlocks(strategy.num_local_replicas, self.source, channel)
             for index in range(1 << 62):
                 data = next(batches, None)
                 if data is not None:
@@ -108,24 +109,24 @@ class _Reader:
                 if agreed is None:
                     return
                 block, rows, num_real = agreed
-                yield block, rows * strategy._process_count, num_real
+                yield block, rows * strategy.num_processes, num_real
         index = -1
         for index, data in enumerate(batches):
             signature.check(data, index)
             if index == 0:
                 if self.call is not None:
                     self.call.observe_batch_size(batch_size_of(data))
-                if strategy._spans_processes:
+                if strategy.num_processes > 1:
                     check_pass_start(data, self.source, channel + "/start")
             yield data, None, None
-        if strategy._spans_processes:
+        if strategy.num_processes > 1:
             check_pass_end(index + 1, self.source, channel + "/end")
 
     def lay_out(self, item) -> tuple[Any, Any]:
         data, rows, num_real = item
         if rows is None:
             return lay_out(self.strategy, data)
-        return self.strategy._shard(data, rows), num_real
+        return self.strategy.shard(data, rows), num_real
 
     def produced(self, keras: bool) -> Iterator[Any]:
         stats = self.call.input_stats if self.call is not None else None
@@ -166,7 +167,7 @@ class InputPass:
 
     def __init__(
         self,
-        strategy,
+        strategy: InputTarget,
         batches,
         *,
         source: str,
@@ -176,7 +177,7 @@ class InputPass:
         channel: str = "input",
     ):
         call = _call.active()
-        named = _sync.channel(channel) if strategy._spans_processes else ""
+        named = _sync.channel(channel) if strategy.num_processes > 1 else ""
         self._reader = _Reader(
             strategy,
             batches,

@@ -135,16 +135,6 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._communication_options
 
     @property
-    def process_id(self) -> int:
-        """This process's index, `0 ... num_processes - 1`."""
-        return jax.process_index()
-
-    @property
-    def num_processes(self) -> int:
-        """How many processes (workers) train together."""
-        return self._process_count
-
-    @property
     def is_chief(self) -> bool:
         """Whether this process is the chief (process 0: it writes and prints)."""
         return jax.process_index() == 0

@@ -7,7 +7,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard
-from keras_dist.data._input_context import InputContext
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -19,7 +18,9 @@ class Placement:
 
     The input pipeline (`keras_dist/data/_pipeline.py`) reads, checks and pads
     batches; a strategy only says which rows live on this process
-    (`_process_rows`) and lays them out over its mesh (`_shard`).
+    (`process_rows`) and lays them out over its mesh (`shard`). These and the
+    counts `num_local_replicas`, `num_processes`, `process_id` are what the
+    input layer reads of a strategy (`keras_dist/data/_target.py`).
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
     `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`.
@@ -58,19 +59,24 @@ class Placement:
             sharding = self._data_shardings[ndim] = NamedSharding(self.mesh, spec)
         return sharding
 
-    def _local_replicas(self) -> int:
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas on this process's devices (all of them with one process)."""
         return self._local_replica_count
 
-    def _input_context(self) -> InputContext:
-        processes = sorted({d.process_index for d in self.devices})
-        return InputContext(
-            num_input_pipelines=len(processes),
-            input_pipeline_id=processes.index(jax.process_index()),
-            num_replicas_in_sync=self.num_replicas_in_sync,
-        )
+    @property
+    def num_processes(self) -> int:
+        """How many processes hold the strategy's devices (1 on one host)."""
+        return self._process_count
 
-    def _process_rows(self, rows: int) -> slice:
-        """The rows of a global batch of `rows` that live on this process."""
+    @property
+    def process_id(self) -> int:
+        """This process's index among the strategy's processes, from 0."""
+        processes = sorted({d.process_index for d in self.devices})
+        return processes.index(jax.process_index())
+
+    def process_rows(self, rows: int) -> slice:
+        """The rows of a global batch of `rows` rows that live on this process."""
         found = self._row_ranges.get(rows)
         if found is None:
             indices = self._data_sharding(1).addressable_devices_indices_map((rows,))
@@ -82,10 +88,15 @@ class Placement:
             found = self._row_ranges[rows] = slice(min(starts), max(stops))
         return found
 
-    def _shard(self, data: Any, rows: int | None = None) -> Any:
-        """This process's rows (a multiple of its replicas) -> global arrays.
+    def shard(self, data: Any, rows: int | None = None) -> Any:
+        """Lays this process's rows of a batch out over the mesh: global arrays.
 
-        `rows` is the global batch size when the mesh spans processes.
+        The input pipeline's last step (it reads, checks and pads first).
+
+        Args:
+            data: a pytree of arrays whose leading (batch) dimension is a
+                multiple of `num_local_replicas`.
+            rows: the global batch size, when the mesh spans processes.
         """
         leaves, treedef = jax.tree.flatten(data)
         arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]

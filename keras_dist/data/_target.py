@@ -1,0 +1,37 @@
+"""`InputTarget`: what the input layer reads of a strategy, and nothing more.
+
+The input layer sits below the strategies: it imports none of them, and a
+strategy hands itself to it (`experimental_distribute_dataset`, Keras's
+per-pass iterator seam). What it may use is declared here; every keras_dist
+`Strategy` provides it as public, documented members.
+"""
+
+from typing import Any, Protocol
+
+__all__ = ["InputTarget"]
+
+
+class InputTarget(Protocol):
+    """A strategy, as the input pipeline sees it."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas a global batch is split over (all processes)."""
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas on this process's devices."""
+
+    @property
+    def num_processes(self) -> int:
+        """Processes holding the strategy's devices."""
+
+    @property
+    def process_id(self) -> int:
+        """This process's index among them."""
+
+    def process_rows(self, rows: int) -> slice:
+        """The rows of a global batch of `rows` rows this process holds."""
+
+    def shard(self, data: Any, rows: int | None = None) -> Any:
+        """Lays this process's (padded) rows out over the mesh."""
