@@ -27,6 +27,7 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data._partial_batch import batch_size_of, pad_to, round_up
+from keras_dist.data._sparse import is_leaf, is_sparse, map_rows, pad_sparse
 
 __all__ = ["ProcessBlocks", "check_pass_end", "check_pass_start", "global_rows"]
 
@@ -52,7 +53,9 @@ def global_rows(data: Any, multiple: int, rows: slice) -> tuple[Any, int, int | 
             return leaf
         return pad_to(leaf[rows.start : min(rows.stop, size)], want)
 
-    return jax.tree.map(take, data), padded, (size if padded != size else None)
+    # A sparse matrix is laid out replicated: every process keeps it whole.
+    local = map_rows(take, lambda leaf: pad_sparse(leaf, padded), data)
+    return local, padded, (size if padded != size else None)
 
 
 def _checksum(data: Any) -> int:
@@ -131,6 +134,17 @@ class ProcessBlocks:
             ValueError: if a process's input produced no batch at all while
                 others still have data (there is nothing to pad it like).
         """
+        if batch is not None and any(
+            is_sparse(leaf) for leaf in jax.tree.leaves(batch, is_leaf=is_leaf)
+        ):
+            raise ValueError(
+                f"{self._source} gives each process its own sparse rows "
+                "(AutoShardPolicy.FILE/OFF or distribute_datasets_from_function), "
+                "but a sparse batch is laid out replicated and must be the same "
+                "global batch on every process. Received: a sparse element. Use "
+                "AutoShardPolicy.DATA (every process reads the global batch), or "
+                "densify the batch in the dataset (`tf.sparse.to_dense`)."
+            )
         rows = 0 if batch is None else batch_size_of(batch)
         counts = _sync.allgather(self._channel, rows)
         if not any(counts):

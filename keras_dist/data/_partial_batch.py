@@ -26,6 +26,15 @@ import jax
 import numpy as np
 import optree
 
+from keras_dist.data._sparse import (
+    is_leaf,
+    is_sparse,
+    map_rows,
+    pad_sparse,
+    rows_of,
+    take_sparse,
+)
+
 __all__ = [
     "PaddedBatch",
     "as_padded_batch",
@@ -92,11 +101,16 @@ def batch_size_of(data: Any) -> int | None:
     Raises:
         ValueError: if two arrays disagree on the batch dimension.
     """
-    sizes = {int(leaf.shape[0]) for leaf in jax.tree.leaves(data) if _is_array(leaf)}
+    leaves = [
+        leaf
+        for leaf in jax.tree.leaves(data, is_leaf=is_leaf)
+        if is_sparse(leaf) or _is_array(leaf)
+    ]
+    sizes = {
+        rows_of(leaf) if is_sparse(leaf) else int(leaf.shape[0]) for leaf in leaves
+    }
     if len(sizes) > 1:
-        shapes = [
-            tuple(leaf.shape) for leaf in jax.tree.leaves(data) if _is_array(leaf)
-        ]
+        shapes = [tuple(leaf.shape) for leaf in leaves]
         raise ValueError(
             "Every array of a batch must have the same size in its first "
             f"(batch) dimension. Received arrays of shapes {shapes}."
@@ -110,7 +124,8 @@ def round_up(size: int, multiple: int) -> int:
 
 
 def pad_to(leaf: Any, rows: int) -> Any:
-    """`leaf` with zero rows appended up to `rows` rows (the one padding)."""
+    """`leaf` with zero rows appended up to `rows` rows (the one dense padding;
+    sparse matrices: `_sparse.pad_sparse`)."""
     if not _is_array(leaf) or leaf.shape[0] == rows:
         return leaf
     leaf = np.asarray(leaf)
@@ -128,7 +143,12 @@ def pad_rows(data: Any, multiple: int) -> tuple[Any, int | None]:
     if size is None or size % multiple == 0:
         return data, None
     padded_size = round_up(size, multiple)
-    return jax.tree.map(lambda leaf: pad_to(leaf, padded_size), data), size
+    padded = map_rows(
+        lambda leaf: pad_to(leaf, padded_size),
+        lambda leaf: pad_sparse(leaf, padded_size),
+        data,
+    )
+    return padded, size
 
 
 def as_padded_batch(data: Any, num_real: "NumReal | None") -> Any:
@@ -193,8 +213,10 @@ def unpad(data: Any) -> Any:
         return data
     n = data.num_real
     return tuple(
-        jax.tree.map(
-            lambda leaf: take_real(leaf, n) if _is_array(leaf) else leaf, tuple(data)
+        map_rows(
+            lambda leaf: take_real(leaf, n) if _is_array(leaf) else leaf,
+            lambda leaf: take_sparse(leaf, n),
+            tuple(data),
         )
     )
 

@@ -48,6 +48,7 @@ from keras_dist.data._partial_batch import (
     round_up,
 )
 from keras_dist.data._prefetch import Prefetcher
+from keras_dist.data._sparse import is_leaf, is_sparse
 from keras_dist.data._target import InputTarget
 
 __all__ = ["InputPass", "element", "keras_batch", "lay_out"]
@@ -77,8 +78,8 @@ def element(strategy: InputTarget, data: Any) -> Any:
 
 def _marked(arrays: Any, num_real) -> Any:
     if num_real is not None:
-        for leaf in jax.tree.leaves(arrays):
-            if getattr(leaf, "ndim", 0):
+        for leaf in jax.tree.leaves(arrays, is_leaf=is_leaf):
+            if getattr(leaf, "ndim", 0) and not is_sparse(leaf):
                 mark_padded(leaf, num_real)
     return arrays
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.data import _auto_shard
+from keras_dist.data import _auto_shard, _sparse
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -98,20 +98,30 @@ class Placement:
                 multiple of `num_local_replicas`.
             rows: the global batch size, when the mesh spans processes.
         """
-        leaves, treedef = jax.tree.flatten(data)
-        arrays = [x if isinstance(x, jax.Array) else np.asarray(x) for x in leaves]
-        shardings = [self._data_sharding(a.ndim) for a in arrays]
+        leaves, treedef = jax.tree.flatten(data, is_leaf=_sparse.is_leaf)
+        arrays = [_as_array(x) for x in leaves]
         if not self._spans_processes:
             # One batched transfer for every array of the batch: the layout is
-            # on the critical path of each step.
+            # on the critical path of each step. A sparse matrix is replicated
+            # (its children count stored entries, not rows: `_sparse`).
+            shardings = [
+                self._replicated
+                if _sparse.is_sparse(a)
+                else self._data_sharding(a.ndim)
+                for a in arrays
+            ]
             return jax.tree.unflatten(treedef, jax.device_put(arrays, shardings))
         return jax.tree.unflatten(
             treedef,
             [
-                jax.make_array_from_process_local_data(
-                    sharding, a, (rows, *a.shape[1:]) if a.ndim else None
+                _sparse.place_sparse(a, self.mesh)
+                if _sparse.is_sparse(a)
+                else jax.make_array_from_process_local_data(
+                    self._data_sharding(a.ndim),
+                    a,
+                    (rows, *a.shape[1:]) if a.ndim else None,
                 )
-                for a, sharding in zip(arrays, shardings, strict=True)
+                for a in arrays
             ],
         )
 
@@ -124,3 +134,9 @@ class Placement:
         `global_batch / num_processes` rows per step.
         """
         return _auto_shard.per_process_share(self, dataset)
+
+
+def _as_array(leaf):
+    if _sparse.is_sparse(leaf):
+        return _sparse.to_bcoo(leaf)
+    return leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
