@@ -87,6 +87,41 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
     }
 
 
+def sparse_run(strategy) -> dict:
+    """fit/evaluate/predict on a scipy.sparse x (a partial last batch)."""
+    import scipy.sparse
+
+    x, y, _ = make_data(N_TRAIN)
+    x = scipy.sparse.csr_matrix(np.where(np.abs(x) > 0.8, x, 0.0).astype("float32"))
+    keras.utils.set_random_seed(11)
+    weights = [
+        np.random.RandomState(4).uniform(-0.5, 0.5, shape).astype("float32")
+        for shape in ((x.shape[1], 8), (8,), (8, 3), (3,))
+    ]
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((x.shape[1],), sparse=True),
+                keras.layers.Dense(8, activation="relu"),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.set_weights(weights)
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    history = model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    evaluation = model.evaluate(x[:N_EVAL], y[:N_EVAL], batch_size=BATCH, verbose=0)
+    predictions = model.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
+    return {
+        "history": history.history,
+        "weights": _listed(model.get_weights()),
+        "evaluate": evaluation,
+        "predict": predictions.tolist(),
+    }
+
+
 def custom_loop_run(strategy) -> dict:
     """The seeds' custom loop: stateless step in `strategy.run`, SGD + momentum."""
     x, y, _ = make_data(N_TRAIN)

@@ -105,6 +105,7 @@ results = {
     "is_chief": strategy.is_chief,
     "fit": _workload.fit_run(strategy, workdir),
     "loop": _workload.custom_loop_run(strategy),
+    "sparse": _workload.sparse_run(strategy),
     "shuffled": shuffled_fit(),
     "file": file_sharded_ids(),
     "from_function": from_function_ids(),

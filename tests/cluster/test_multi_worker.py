@@ -80,6 +80,20 @@ def test_fit_evaluate_predict_match_one_process(cluster, n_devices):
         assert_weights_close(expected["tf_weights"], got["tf_weights"])
 
 
+def test_sparse_input_matches_one_device(cluster):
+    """A scipy.sparse x: laid out replicated on the 2-process mesh, exact."""
+    _, results = cluster
+    expected = _workload.sparse_run(kd.OneDeviceStrategy("cpu:0"))
+    for result in results:
+        got = result["sparse"]
+        assert_history_close(expected["history"], got["history"])
+        assert_weights_close(expected["weights"], got["weights"])
+        assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
+        np.testing.assert_allclose(
+            got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
+        )
+
+
 @pytest.mark.parametrize("n_devices", [8, 1])
 def test_custom_loop_matches_one_process(cluster, n_devices):
     _, results = cluster
