@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 from keras_dist.data._target import InputTarget
+from keras_dist.data._tf_data import is_tf_dataset
 
 __all__ = [
     "AutoShardPolicy",
@@ -128,15 +129,9 @@ def shard_per_process(
     return dataset.filter(lambda *_: True).prefetch(tf.data.AUTOTUNE)
 
 
-def _is_tf_dataset(dataset: Any) -> bool:
-    return type(dataset).__module__.startswith("tensorflow") and hasattr(
-        dataset, "element_spec"
-    )
-
-
 def per_process_share(strategy: InputTarget, dataset: Any) -> Any:
     """`dataset` for a strategy: whole (AUTO/DATA), or this process's share."""
-    if strategy.num_processes == 1 or not _is_tf_dataset(dataset):
+    if strategy.num_processes == 1 or not is_tf_dataset(dataset):
         return dataset
     policy = auto_shard_policy(dataset)
     if policy in (AutoShardPolicy.AUTO, AutoShardPolicy.DATA):

@@ -21,6 +21,7 @@ from keras_dist.data._auto_shard import is_per_process, per_process_share
 from keras_dist.data._input_context import InputContext, InputOptions
 from keras_dist.data._pipeline import InputPass
 from keras_dist.data._target import InputTarget
+from keras_dist.data._tf_data import is_tf_dataset
 
 __all__ = [
     "DistributedDataset",
@@ -30,31 +31,9 @@ __all__ = [
 ]
 
 
-def _is_tf_dataset(dataset: Any) -> bool:
-    return type(dataset).__module__.startswith("tensorflow") and hasattr(
-        dataset, "element_spec"
-    )
-
-
-def _check_batched(dataset: Any, argument: str, hint: str) -> None:
-    import tensorflow as tf
-
-    unbatched = [
-        spec
-        for spec in tf.nest.flatten(dataset.element_spec)
-        if getattr(spec, "shape", None) is not None and spec.shape.rank == 0
-    ]
-    if unbatched:
-        raise ValueError(
-            f"`{argument}` must be batched, but its elements have scalar "
-            f"components ({unbatched[0]}). Received: element_spec="
-            f"{dataset.element_spec}. {hint}"
-        )
-
-
 def _host_batches(dataset: Any) -> Callable[[], Iterator[Any]]:
     """A function that starts a new pass over `dataset`, yielding host batches."""
-    if _is_tf_dataset(dataset):
+    if is_tf_dataset(dataset):
         return dataset.as_numpy_iterator
     if isinstance(dataset, Iterator):
         # One pass only: it is an iterator already. Nothing may read ahead of
@@ -164,13 +143,6 @@ def distribute_dataset(
     strategy: InputTarget, dataset: Any, options=None
 ) -> DistributedDataset:
     options = _options(options)
-    if _is_tf_dataset(dataset):
-        _check_batched(
-            dataset,
-            "dataset",
-            "Batch it by the global batch size first: "
-            "`dataset.batch(per_replica_batch * strategy.num_replicas_in_sync)`.",
-        )
     checks = {"argument": "dataset", "per_replica": False}
     _input_checks.check_dataset(dataset, **checks)
     source = type(dataset).__name__
@@ -212,13 +184,6 @@ def distribute_datasets_from_function(
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
     dataset = dataset_fn(context)
-    if _is_tf_dataset(dataset):
-        _check_batched(
-            dataset,
-            "the dataset returned by dataset_fn",
-            "Batch it by the per-replica batch size: `dataset.batch("
-            "input_context.get_per_replica_batch_size(global_batch_size))`.",
-        )
     checks = {"argument": "dataset_fn(input_context)", "per_replica": True}
     _input_checks.check_dataset(dataset, **checks)
     start = _input_checks.first_element_checked(

@@ -39,16 +39,16 @@ of each pass over an iterator or other iterable):
 """
 
 import functools
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from keras_dist.data._tf_data import ROWS, is_tf_dataset, rows_or_batches
+
 __all__ = ["check_dataset", "first_element_checked"]
 
-_MAX_NODES = 256  # Walk no further into a dataset graph: "unknown".
 
 _GLOBAL_FIX = (
     "Batch the examples by the global batch size first, e.g. "
@@ -119,12 +119,6 @@ def _describe_array(value: Any) -> str:
 
 
 # The checks ------------------------------------------------------------------
-
-
-def _is_tf_dataset(value: Any) -> bool:
-    return type(value).__module__.startswith("tensorflow") and hasattr(
-        value, "element_spec"
-    )
 
 
 def _is_array(value: Any) -> bool:
@@ -208,7 +202,7 @@ def check_dataset(value: Any, *, argument: str, per_replica: bool) -> None:
         ValueError: for a list or tuple of examples, or a `tf.data` dataset
             that is provably unbatched.
     """
-    if _is_tf_dataset(value):
+    if is_tf_dataset(value):
         _check_tf_dataset(value, argument, per_replica)
         return
     if _is_array(value):
@@ -242,7 +236,7 @@ def first_element_checked(
     datasets, whose elements cannot be seen without reading them. The
     attributes of `start_pass` (e.g. that it is one-shot) are kept.
     """
-    if _is_tf_dataset(value) or isinstance(value, (list, tuple)):
+    if is_tf_dataset(value) or isinstance(value, (list, tuple)):
         return start_pass
 
     @functools.wraps(start_pass)
@@ -269,103 +263,12 @@ def _checked_pass(batches: Iterator[Any], argument: str, per_replica: bool):
         yield element
 
 
-# tf.data: a walk back through the dataset's inputs ----------------------------
-
-_ROWS, _BATCHED, _UNKNOWN = "rows", "batched", "unknown"
-
-_BATCHING = frozenset(
-    {
-        "_BatchDataset",
-        "_ParallelBatchDataset",
-        "_PaddedBatchDataset",
-        "_RebatchDataset",
-        "_LegacyRebatchDataset",
-        "_DenseToRaggedDataset",
-        "_DenseToSparseBatchDataset",
-        "_MapAndBatchDataset",
-    }
-)
-_ROW_SOURCES = {
-    "_TensorSliceDataset": "from_tensor_slices",
-    "_SparseTensorSliceDataset": "from_sparse_tensor_slices",
-    "_UnbatchDataset": "unbatch",
-}
-_MAPS = frozenset({"_MapDataset", "_ParallelMapDataset"})
-_COMBINING = {"_ZipDataset": "zip", "_ConcatenateDataset": "concatenate"}
-_NAMES = {"_OptionsDataset": "with_options", "CacheDataset": "cache"}
-
-
-def _label(dataset) -> str:
-    name = type(dataset).__name__
-    if name in _NAMES:
-        return _NAMES[name]
-    name = name.strip("_").removesuffix("Dataset")
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _max_rank(element_spec) -> int | None:
-    import tensorflow as tf
-
-    ranks = []
-    for spec in tf.nest.flatten(element_spec):
-        shape = getattr(spec, "shape", None)
-        if shape is None or shape.rank is None:
-            return None
-        ranks.append(shape.rank)
-    return max(ranks, default=0)
-
-
-def _walk(dataset, budget: list[int]) -> tuple[str, list[str]]:
-    """(kind, the transformations from a row source up to `dataset`)."""
-    from tensorflow.python.data.ops import dataset_ops
-
-    budget[0] -= 1
-    if budget[0] < 0:
-        return _UNKNOWN, []
-    name = type(dataset).__name__
-    if name in _BATCHING:
-        return _BATCHED, []
-    if name in _ROW_SOURCES:
-        return _ROWS, [_ROW_SOURCES[name]]
-    if name == "DatasetV1Adapter":
-        return _walk(dataset._dataset, budget)
-    if name in _COMBINING:
-        walked = [_walk(d, budget) for d in dataset._inputs()]
-        kinds = {kind for kind, _ in walked}
-        if len(kinds) != 1:
-            return _UNKNOWN, []
-        chain = [step for _, steps in walked for step in steps]
-        return kinds.pop(), [*chain, _COMBINING[name]]
-    if isinstance(dataset, dataset_ops.UnaryUnchangedStructureDataset):
-        kind, chain = _walk(dataset._input_dataset, budget)
-        return kind, [*chain, _label(dataset)]
-    if name in _MAPS:
-        source = dataset._input_dataset
-        kind, chain = _walk(source, budget)
-        if kind != _ROWS:
-            return kind, []
-        # A function of one row is a row unless it adds a dimension (e.g.
-        # gathers a batch from a row of indices).
-        before = _max_rank(source.element_spec)
-        after = _max_rank(dataset.element_spec)
-        if before is None or after is None or after > before:
-            return _UNKNOWN, []
-        return _ROWS, [*chain, "map"]
-    return _UNKNOWN, []
-
-
 def _check_tf_dataset(dataset, argument: str, per_replica: bool) -> None:
-    try:
-        kind, chain = _walk(dataset, [_MAX_NODES])
-    except Exception:  # A private attribute moved in another TF version.
+    _check_no_scalars(dataset, argument, per_replica)
+    kind, chain = rows_or_batches(dataset)
+    if kind != ROWS:
         return
-    if kind != _ROWS:
-        return
-    size = (
-        "input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)"
-        if per_replica
-        else "GLOBAL_BATCH_SIZE"
-    )
+    size = _size_expression(per_replica)
     pipeline = " -> ".join(f"`{step}`" for step in chain)
     raise ValueError(
         f"`{argument}` must be batched by the "
@@ -376,3 +279,31 @@ def _check_tf_dataset(dataset, argument: str, per_replica: bool) -> None:
         "element already is a batch, e.g. a slice of an array of shape "
         f"(steps, batch, ...), say so with `dataset.rebatch({size})`.)"
     )
+
+
+def _check_no_scalars(dataset, argument: str, per_replica: bool) -> None:
+    """Any dataset whose element has a scalar component is unbatched."""
+    import tensorflow as tf
+
+    unbatched = [
+        spec
+        for spec in tf.nest.flatten(dataset.element_spec)
+        if getattr(spec, "shape", None) is not None and spec.shape.rank == 0
+    ]
+    if unbatched:
+        raise ValueError(
+            f"`{argument}` must be batched, but its elements have scalar "
+            f"components ({unbatched[0]}). Received: element_spec="
+            f"{dataset.element_spec}. Batch it by the {_size(per_replica)}: "
+            f"`dataset.batch({_size_expression(per_replica)})`."
+        )
+
+
+def _size(per_replica: bool) -> str:
+    return "per-replica batch size" if per_replica else "global batch size"
+
+
+def _size_expression(per_replica: bool) -> str:
+    if per_replica:
+        return "input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)"
+    return "GLOBAL_BATCH_SIZE"

@@ -64,14 +64,7 @@ def test_fit_evaluate_predict_match_one_process(cluster, n_devices):
     expected, _ = reference(n_devices)
     for result in results:
         got = result["fit"]
-        assert_history_close(expected["history"], got["history"])
-        assert_weights_close(expected["weights"], got["weights"])
-        assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
-        # predict: the full result (37 rows, a partial batch) on every process.
-        np.testing.assert_allclose(
-            got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
-        )
-        assert np.asarray(got["predict"]).shape == (_workload.N_EVAL, 3)
+        _assert_same_run(expected, got)
         # A PyDataset of the same global batches gives the same training.
         assert_history_close(expected["history"], got["py_history"])
         assert_weights_close(expected["weights"], got["py_weights"])
@@ -85,13 +78,19 @@ def test_sparse_input_matches_one_device(cluster):
     _, results = cluster
     expected = _workload.sparse_run(kd.OneDeviceStrategy("cpu:0"))
     for result in results:
-        got = result["sparse"]
-        assert_history_close(expected["history"], got["history"])
-        assert_weights_close(expected["weights"], got["weights"])
-        assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
-        np.testing.assert_allclose(
-            got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
-        )
+        _assert_same_run(expected, result["sparse"])
+
+
+def _assert_same_run(expected: dict, got: dict) -> None:
+    """fit history and weights, evaluate, predict of `_workload` runs agree."""
+    assert_history_close(expected["history"], got["history"])
+    assert_weights_close(expected["weights"], got["weights"])
+    assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
+    # predict: the full result (37 rows, a partial batch) on every process.
+    np.testing.assert_allclose(
+        got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
+    )
+    assert np.asarray(got["predict"]).shape == (_workload.N_EVAL, 3)
 
 
 @pytest.mark.parametrize("n_devices", [8, 1])

@@ -1,0 +1,112 @@
+"""tf.data without importing TensorFlow first: is it a dataset, is it batched.
+
+tf.data keeps no "batched" flag, and a `drop_remainder=True` batch has a
+static leading dimension just like a row, so `rows_or_batches` walks back
+through the dataset's inputs (TF's own private structure; on any surprise it
+answers "unknown" and the caller accepts the dataset).
+"""
+
+import re
+from typing import Any
+
+__all__ = ["BATCHED", "ROWS", "UNKNOWN", "is_tf_dataset", "rows_or_batches"]
+
+_MAX_NODES = 256  # Walk no further into a dataset graph: "unknown".
+
+
+def is_tf_dataset(value: Any) -> bool:
+    """Whether `value` is a `tf.data.Dataset` (TensorFlow imported only if so)."""
+    return type(value).__module__.startswith("tensorflow") and hasattr(
+        value, "element_spec"
+    )
+
+
+def rows_or_batches(dataset) -> tuple[str, list[str]]:
+    """`(ROWS | BATCHED | UNKNOWN, the steps from a row source to dataset)`."""
+    try:
+        return _walk(dataset, [_MAX_NODES])
+    except Exception:  # A private attribute moved in another TF version.
+        return UNKNOWN, []
+
+
+ROWS, BATCHED, UNKNOWN = "rows", "batched", "unknown"
+
+_BATCHING = frozenset(
+    {
+        "_BatchDataset",
+        "_ParallelBatchDataset",
+        "_PaddedBatchDataset",
+        "_RebatchDataset",
+        "_LegacyRebatchDataset",
+        "_DenseToRaggedDataset",
+        "_DenseToSparseBatchDataset",
+        "_MapAndBatchDataset",
+    }
+)
+_ROW_SOURCES = {
+    "_TensorSliceDataset": "from_tensor_slices",
+    "_SparseTensorSliceDataset": "from_sparse_tensor_slices",
+    "_UnbatchDataset": "unbatch",
+}
+_MAPS = frozenset({"_MapDataset", "_ParallelMapDataset"})
+_COMBINING = {"_ZipDataset": "zip", "_ConcatenateDataset": "concatenate"}
+_NAMES = {"_OptionsDataset": "with_options", "CacheDataset": "cache"}
+
+
+def _label(dataset) -> str:
+    name = type(dataset).__name__
+    if name in _NAMES:
+        return _NAMES[name]
+    name = name.strip("_").removesuffix("Dataset")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _max_rank(element_spec) -> int | None:
+    import tensorflow as tf
+
+    ranks = []
+    for spec in tf.nest.flatten(element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None:
+            return None
+        ranks.append(shape.rank)
+    return max(ranks, default=0)
+
+
+def _walk(dataset, budget: list[int]) -> tuple[str, list[str]]:
+    """(kind, the transformations from a row source up to `dataset`)."""
+    from tensorflow.python.data.ops import dataset_ops
+
+    budget[0] -= 1
+    if budget[0] < 0:
+        return UNKNOWN, []
+    name = type(dataset).__name__
+    if name in _BATCHING:
+        return BATCHED, []
+    if name in _ROW_SOURCES:
+        return ROWS, [_ROW_SOURCES[name]]
+    if name == "DatasetV1Adapter":
+        return _walk(dataset._dataset, budget)
+    if name in _COMBINING:
+        walked = [_walk(d, budget) for d in dataset._inputs()]
+        kinds = {kind for kind, _ in walked}
+        if len(kinds) != 1:
+            return UNKNOWN, []
+        chain = [step for _, steps in walked for step in steps]
+        return kinds.pop(), [*chain, _COMBINING[name]]
+    if isinstance(dataset, dataset_ops.UnaryUnchangedStructureDataset):
+        kind, chain = _walk(dataset._input_dataset, budget)
+        return kind, [*chain, _label(dataset)]
+    if name in _MAPS:
+        source = dataset._input_dataset
+        kind, chain = _walk(source, budget)
+        if kind != ROWS:
+            return kind, []
+        # A function of one row is a row unless it adds a dimension (e.g.
+        # gathers a batch from a row of indices).
+        before = _max_rank(source.element_spec)
+        after = _max_rank(dataset.element_spec)
+        if before is None or after is None or after > before:
+            return UNKNOWN, []
+        return ROWS, [*chain, "map"]
+    return UNKNOWN, []
