@@ -37,13 +37,15 @@ def _entry_point(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(model, *args, **kwargs):
         strategy = _strategy_for(model)
-        if strategy is None:
-            return method(model, *args, **kwargs)
+        if strategy is None:  # Plain Keras; keras_dist callbacks still need it.
+            with _call.enter(
+                method.__name__,
+                None,
+                initial_epoch=_initial_epoch(signature, method, model, args, kwargs),
+            ):
+                return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
-        initial_epoch = 0
-        if method.__name__ == "fit":
-            bound = signature.bind_partial(model, *args, **kwargs).arguments
-            initial_epoch = bound.get("initial_epoch", 0)
+        initial_epoch = _initial_epoch(signature, method, model, args, kwargs)
         if strategy._spans_processes:
             bound = signature.bind(model, *args, **kwargs)
             prepare_call(method.__name__, model, bound.arguments)
@@ -64,6 +66,16 @@ def _entry_point(method: Callable) -> Callable:
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+def _initial_epoch(signature, method, model, args, kwargs) -> int:
+    if method.__name__ != "fit":
+        return 0
+    try:
+        bound = signature.bind_partial(model, *args, **kwargs).arguments
+    except TypeError:
+        return 0  # Keras reports wrong arguments itself.
+    return bound.get("initial_epoch", 0)
 
 
 def _step_builder(method: Callable) -> Callable:

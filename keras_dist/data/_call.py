@@ -53,7 +53,8 @@ class CallState:
 
     Attributes:
         method: the Keras method (`"fit"`, `"evaluate"`, ...).
-        strategy: the keras_dist strategy the call runs under.
+        strategy: the keras_dist strategy the call runs under (None: plain
+            Keras, where keras_dist callbacks still share this state).
         initial_epoch: `fit`'s `initial_epoch` argument.
         parent: the enclosing call (validation inside `fit`), or None.
         batch_size: the global batch size of the first batch read, if any.

@@ -3,7 +3,7 @@
 Used by tests/callbacks/test_backup_and_restore.py as a real, separate process:
     python resume_script.py OUT_DIR   (env: KD_REPLICAS, KD_BACKUP, KD_KILL_AT,
                                        KD_SIGNAL=KILL|TERM, KD_SAVE_FREQ, KD_WIDTH,
-                                       KD_INPUT)
+                                       KD_INPUT, KD_PLAIN)
 KD_INPUT picks the input: "numpy" (default: shuffled arrays, validation_split),
 "repeat" (tf.data shuffled each pass, `.repeat()`, steps_per_epoch=5: tf's
 multi-worker tutorial), "generator" (an infinite generator, steps_per_epoch=5),
@@ -36,8 +36,14 @@ rng = np.random.RandomState(0)
 x = rng.randn(61, 6).astype("float32")  # 61 rows, batch 8: 8 steps, last of 5.
 y = (x @ rng.randn(6, 3)).argmax(1).astype("int32")
 
-strategy = kd.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
-with strategy.scope():
+if os.environ.get("KD_PLAIN"):  # Plain Keras: no strategy at all.
+    import contextlib
+
+    scope = contextlib.nullcontext()
+else:
+    strategy = kd.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
+    scope = strategy.scope()
+with scope:
     model = keras.Sequential(
         [
             keras.Input((6,)),

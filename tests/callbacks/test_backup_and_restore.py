@@ -169,17 +169,21 @@ def test_bad_input(tmp_path):
 # uninterrupted run trains on. Step 7 is mid-epoch 2 of 5-step epochs; with
 # "finite-spe" (3 steps per epoch of an 8-batch dataset whose one iterator
 # Keras keeps across epochs) it is mid-epoch 3, in the dataset's second pass.
-@pytest.mark.parametrize("kind", ["repeat", "generator", "finite-spe"])
-def test_kill_and_restart_with_steps_per_epoch_is_exact(tmp_path, kind):
-    reference_run = _run(tmp_path / "reference", KD_INPUT=kind)
+@pytest.mark.parametrize(
+    "kind, plain",
+    [("repeat", ""), ("generator", ""), ("finite-spe", ""), ("finite-spe", "1")],
+    ids=["repeat", "generator", "finite-spe", "finite-spe-plain-keras"],
+)
+def test_kill_and_restart_with_steps_per_epoch_is_exact(tmp_path, kind, plain):
+    env = {"KD_INPUT": kind, "KD_PLAIN": plain}
+    reference_run = _run(tmp_path / "reference", **env)
     assert reference_run.returncode == 0, reference_run.stderr[-3000:]
     backup = tmp_path / "backup"
     killed = _run(
-        tmp_path / "out", KD_INPUT=kind, KD_BACKUP=backup, KD_KILL_AT=7,
-        KD_SIGNAL="KILL",
-    )  # fmt: skip
+        tmp_path / "out", **env, KD_BACKUP=backup, KD_KILL_AT=7, KD_SIGNAL="KILL"
+    )
     assert killed.returncode == -9, killed.stderr[-3000:]
-    resumed = _run(tmp_path / "out", KD_INPUT=kind, KD_BACKUP=backup)
+    resumed = _run(tmp_path / "out", **env, KD_BACKUP=backup)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at epoch" in resumed.stdout
     ref_weights, _ = _result(tmp_path / "reference")
@@ -213,8 +217,10 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras, numpy as np
 import keras_dist as kd
 
-strategy = kd.MirroredStrategy()
-with strategy.scope():
+import contextlib
+plain = sys.argv[1] == "plain"
+scope = contextlib.nullcontext() if plain else kd.MirroredStrategy().scope()
+with scope:
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(optimizer="sgd", loss="mse")
 
@@ -232,10 +238,11 @@ print("STILL ALIVE", flush=True)
 """
 
 
-def test_sigterm_after_a_failed_fit_terminates_the_process():
+@pytest.mark.parametrize("plain", ["plain", "mirrored"])
+def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     result = subprocess.run(
-        [sys.executable, "-c", _FAILING_FIT],
+        [sys.executable, "-c", _FAILING_FIT, plain],
         env=environ,
         capture_output=True,
         text=True,
