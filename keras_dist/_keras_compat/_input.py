@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import keras
 
+from keras_dist._keras_compat._processes import gathered_outputs
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist.data import _call
 from keras_dist.data._auto_shard import is_per_process
@@ -50,8 +51,6 @@ def current_strategy() -> Strategy | None:
 def _jit(fun: Callable, *args, **kwargs):
     step = unpadding(fun)
     if getattr(fun, "__name__", "") == "predict_step":
-        from keras_dist._keras_compat._processes import gathered_outputs
-
         step = gathered_outputs(step)
     compiled = _originals["jit"](step, *args, **kwargs)
     return _Unpadding(compiled)
@@ -75,6 +74,8 @@ def _make_function(self, step_function, concatenate_outputs=False):
     """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly."""
     if not isinstance(step_function, _Unpadding):
         step_function = unpadding(step_function)
+        if concatenate_outputs:  # predict: whole outputs on every process.
+            step_function = gathered_outputs(step_function)
     return _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )

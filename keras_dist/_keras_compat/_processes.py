@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from keras_dist.cluster import _sync
+from keras_dist.strategies._base import Strategy
 
 __all__ = ["gathered_outputs", "prepare_call"]
 
@@ -144,10 +145,8 @@ def gathered_outputs(step):
     @functools.wraps(step)
     def predict_step(*args, **kwargs):
         outputs, state = step(*args, **kwargs)
-        from keras_dist._keras_compat._input import current_strategy
-
-        strategy = current_strategy()
-        if strategy is not None and strategy._spans_processes:
+        strategy = keras.distribution.distribution()
+        if isinstance(strategy, Strategy) and strategy._spans_processes:
             outputs = jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, strategy._replicated),
                 outputs,

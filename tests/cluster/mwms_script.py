@@ -87,6 +87,14 @@ def from_function_ids() -> dict:
     return {"ids": seen, "means": means}
 
 
+def eager_predict() -> list:
+    """predict under `run_eagerly=True` (no compiled step): 37 rows, whole."""
+    x, _, _ = make_data(_workload.N_EVAL)
+    model = build_in_scope(strategy, initial_weights())
+    model.compile(loss="mse", run_eagerly=True)
+    return model.predict(x, batch_size=_workload.BATCH, verbose=0).tolist()
+
+
 def local_results() -> int:
     per_replica = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group
@@ -106,6 +114,7 @@ results = {
     "fit": _workload.fit_run(strategy, workdir),
     "loop": _workload.custom_loop_run(strategy),
     "sparse": _workload.sparse_run(strategy),
+    "eager_predict": eager_predict(),
     "shuffled": shuffled_fit(),
     "file": file_sharded_ids(),
     "from_function": from_function_ids(),

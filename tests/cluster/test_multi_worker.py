@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests._helpers import assert_history_close, assert_weights_close, mirrored
+from tests._helpers import (
+    assert_history_close,
+    assert_weights_close,
+    build_in_scope,
+    initial_weights,
+    make_data,
+    mirrored,
+)
 from tests.cluster import _workload
 
 HERE = pathlib.Path(__file__).parent
@@ -79,6 +86,15 @@ def test_sparse_input_matches_one_device(cluster):
     expected = _workload.sparse_run(kd.OneDeviceStrategy("cpu:0"))
     for result in results:
         _assert_same_run(expected, result["sparse"])
+
+
+def test_eager_predict_returns_every_row_on_every_process(cluster):
+    _, results = cluster
+    x, _, _ = make_data(_workload.N_EVAL)
+    model = build_in_scope(kd.OneDeviceStrategy("cpu:0"), initial_weights())
+    expected = model.predict(x, batch_size=_workload.BATCH, verbose=0)
+    for result in results:
+        np.testing.assert_allclose(result["eager_predict"], expected, rtol=1e-5)
 
 
 def _assert_same_run(expected: dict, got: dict) -> None:
