@@ -14,7 +14,7 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import callbacks, cluster, data, errors, losses, utils  # noqa: E402
+from keras_dist import callbacks, cluster, data, errors, losses, tpu, utils  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     CommunicationOptions,
@@ -25,6 +25,7 @@ from keras_dist.strategies import (  # noqa: E402
     ReduceOp,
     ReplicaContext,
     Strategy,
+    TPUStrategy,
     get_replica_context,
 )
 
@@ -46,6 +47,7 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
+    "TPUStrategy",
     "__version__",
     "callbacks",
     "cluster",
@@ -53,5 +55,6 @@ __all__ = [
     "errors",
     "get_replica_context",
     "losses",
+    "tpu",
     "utils",
 ]

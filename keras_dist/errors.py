@@ -11,11 +11,17 @@ __all__ = [
     "DeviceNotFoundError",
     "IncompatibleBackupError",
     "StrategyMismatchError",
+    "TPUNotFoundError",
 ]
 
 
 class DeviceNotFoundError(ValueError):
     """A requested device is not visible to this process."""
+
+
+class TPUNotFoundError(DeviceNotFoundError):
+    """No TPU is visible to JAX (tf's `TPUClusterResolver` raises `ValueError`
+    here too, so `except ValueError:` fallbacks keep working)."""
 
 
 class StrategyMismatchError(RuntimeError):

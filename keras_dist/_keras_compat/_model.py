@@ -119,6 +119,7 @@ def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
                 f"{strategy!r}. Received: {name}={value!r}. For example "
                 f"{name}={32 * strategy.num_replicas_in_sync}."
             )
+        strategy._check_global_batch(int(value))
 
 
 def _place_variables(model, strategy, *, move: bool = True) -> bool:

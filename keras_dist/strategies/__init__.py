@@ -8,6 +8,7 @@ from keras_dist.strategies._multi_worker import (
 )
 from keras_dist.strategies._one_device import OneDeviceStrategy
 from keras_dist.strategies._replica_context import ReplicaContext, get_replica_context
+from keras_dist.strategies._tpu import TPUStrategy
 from keras_dist.strategies._values import PerReplica, ReduceOp
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
+    "TPUStrategy",
     "get_replica_context",
 ]

@@ -98,6 +98,9 @@ class Strategy(Placement, keras.distribution.DataParallel):
             _check_same_variable(variable)
         return super().get_variable_layout(variable)
 
+    def _check_global_batch(self, batch_size: int) -> None:
+        """Called with each `batch_size` of a call; a strategy may warn."""
+
     # The replica API (tf.distribute's names) ------------------------------
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
