@@ -1,6 +1,7 @@
-"""The demo, the notebook, the benchmark and the tutorial port run as promised.
+"""The demo, the benchmark and the tutorial port run as promised.
 
-(Split from test_docs.py so the two pytest workers share the long runs.)
+(Split from test_docs.py so the two pytest workers share the long runs; the
+notebooks run in tests/test_notebooks.py.)
 """
 
 import json
@@ -8,7 +9,7 @@ import re
 
 import pytest
 
-from tests.test_docs import ROOT, _run
+from tests.test_docs import _run
 
 
 @pytest.mark.slow
@@ -51,21 +52,6 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     assert match, out
     assert match[1] == match[2]
     assert float(match[3]) < 1e-5
-
-
-@pytest.mark.slow
-def test_notebook_runs():
-    notebook = json.loads((ROOT / "notebooks" / "digits_mirrored.ipynb").read_text())
-    source = "\n".join(
-        "".join(cell["source"])
-        for cell in notebook["cells"]
-        if cell["cell_type"] == "code"
-    )
-    out = _run(["-c", source], env_extra={"KD_NOTEBOOK_EPOCHS": "1"})
-    assert "Number of devices: 8" in out
-    assert "1437 training images; global batch 128" in out
-    assert re.search(r"test accuracy 0\.\d{4}", out)
-    assert "kernel sharding: P(None, None, None, None) on 8 devices" in out
 
 
 @pytest.mark.slow
