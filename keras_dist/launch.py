@@ -155,7 +155,9 @@ class _Cluster:
             codes = [p.poll() for p in self.processes]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
+                # A process killed by a signal is the cause; peers that fail
+                # at the same time usually fail because it vanished.
+                rank, code = min(failed, key=lambda failure: failure[1] > 0)
                 how = f"exited with status {code}"
                 if code < 0:
                     how = f"was killed by {signal.Signals(-code).name}"
