@@ -10,10 +10,12 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_dist._keras_compat import sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
 from keras_dist.data import _call
+from keras_dist.strategies._base import strategy_of_model
 
 __all__ = ["BackupAndRestore"]
 
@@ -170,9 +172,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     # State ----------------------------------------------------------------
 
     def _save(self, epoch: int, step: int) -> None:
-        from keras_dist._keras_compat import sync_state
-        from keras_dist.strategies._base import strategy_of_model
-
         sync_state(self.model)
         self._saved_step = step
         epoch, step = self._position(epoch, step)

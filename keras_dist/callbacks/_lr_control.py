@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_dist.strategies._base import strategy_of_model
+
 __all__ = [
     "ControlledLearningRate",
     "controlled",
@@ -117,8 +119,6 @@ def plain_learning_rate(model: keras.Model):
 
 
 def _model_scope(model):
-    from keras_dist.strategies._base import strategy_of_model
-
     strategy = strategy_of_model(model)
     if strategy is not None and keras.distribution.distribution() is None:
         return strategy.scope()

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_dist._keras_compat import sync_state
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._lr_control import (
     check_rate,
@@ -103,8 +104,6 @@ class LearningRateScheduler(keras.callbacks.Callback):
                 runs = max(int(getattr(self.model, "steps_per_execution", 1) or 1), 1)
                 self._check_through(self._epoch_start + batch + runs - 1)
         elif self.per == "step":
-            from keras_dist._keras_compat import sync_state
-
             sync_state(self.model)
             step = int(np.asarray(self.model.optimizer.iterations.value))
             self._set(step, f"step {step}")
@@ -117,8 +116,6 @@ class LearningRateScheduler(keras.callbacks.Callback):
         all are checked here, before the epoch trains; otherwise they are
         checked `_CHUNK` ahead, as the batches come.
         """
-        from keras_dist._keras_compat import sync_state
-
         sync_state(self.model)
         start = int(np.asarray(self.model.optimizer.iterations.value))
         self._epoch_start = start

@@ -10,6 +10,7 @@ from keras_dist.callbacks._lr_control import (
     release,
 )
 from keras_dist.data import _call
+from keras_dist.strategies._base import strategy_of_model
 
 __all__ = ["LearningRateWarmup"]
 
@@ -76,8 +77,6 @@ class LearningRateWarmup(keras.callbacks.Callback):
         self.target_lr: float | None = None
 
     def _factor(self) -> float:
-        from keras_dist.strategies._base import strategy_of_model
-
         if self.scale is None:
             return 1.0
         strategy = strategy_of_model(self.model)

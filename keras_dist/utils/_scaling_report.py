@@ -8,6 +8,7 @@ import jax
 import keras
 
 from keras_dist.data import _call
+from keras_dist.strategies._ownership import strategy_of_model
 
 __all__ = ["ScalingReport"]
 
@@ -60,8 +61,6 @@ class ScalingReport(keras.callbacks.Callback):
     # Measuring -------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        from keras_dist.strategies._ownership import strategy_of_model
-
         self._strategy = strategy_of_model(self.model)
         self._call = _call.active()  # The fit's: its input timings.
         self._epochs: list[tuple[float, int]] = []  # (train seconds, steps)
