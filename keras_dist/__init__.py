@@ -14,13 +14,24 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 
 _ensure_jax_backend()
 
-from keras_dist import callbacks, cluster, data, errors, losses, tpu, utils  # noqa: E402
+from keras_dist import (  # noqa: E402
+    callbacks,
+    cluster,
+    data,
+    errors,
+    losses,
+    partitioners,
+    tpu,
+    utils,
+)
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     CommunicationOptions,
+    MemoryReport,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
+    ParameterServerStrategy,
     PerReplica,
     ReduceOp,
     ReplicaContext,
@@ -40,9 +51,11 @@ __all__ = [
     "CommunicationOptions",
     "InputContext",
     "InputOptions",
+    "MemoryReport",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
@@ -55,6 +68,7 @@ __all__ = [
     "errors",
     "get_replica_context",
     "losses",
+    "partitioners",
     "tpu",
     "utils",
 ]

@@ -28,6 +28,10 @@ API cannot express are done here, on Keras's JAX trainer
    step raises, they stay `None` and every later call fails with
    `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
 
+5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
+   are created with the strategy's `_slot_layout` (ZeRO-1 shards them while
+   the weights stay replicated).
+
 4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call
    is checked to be the same call on every process (else an error instead
    of a hang), non-chief processes do not print or log, `fit` shares the
@@ -51,6 +55,7 @@ from keras_dist._keras_compat._input import (
     _make_function,
 )
 from keras_dist._keras_compat._model import _entry_point, _step_builder
+from keras_dist._keras_compat._optimizer import _add_variable_from_reference
 from keras_dist._keras_compat._state import originals as _originals
 
 CHECKED_KERAS = "3.15"
@@ -86,8 +91,14 @@ def seams() -> dict[str, Any]:
     iterator_cls = getattr(module, "JAXEpochIterator", None)
     for name in ("_get_distributed_iterator", "_enumerate_iterator"):
         found[f"trainer.JAXEpochIterator.{name}"] = getattr(iterator_cls, name, None)
+    from keras.src.optimizers import base_optimizer
     from keras.src.utils import rng_utils
 
+    found["BaseOptimizer.add_variable_from_reference"] = getattr(
+        getattr(base_optimizer, "BaseOptimizer", None),
+        "add_variable_from_reference",
+        None,
+    )
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
@@ -132,6 +143,11 @@ def install() -> None:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
         setattr(module.JAXTrainer, name, _entry_point(method))
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    method = BaseOptimizer.add_variable_from_reference
+    _originals["BaseOptimizer.add_variable_from_reference"] = method
+    BaseOptimizer.add_variable_from_reference = _add_variable_from_reference(method)
     for name in STEP_BUILDERS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method

@@ -1,25 +1,30 @@
 """Strategies: what the mesh is, where variables live, the replica API."""
 
 from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._memory_report import MemoryReport, VariableMemory
 from keras_dist.strategies._mirrored import MirroredStrategy
 from keras_dist.strategies._multi_worker import (
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
 )
 from keras_dist.strategies._one_device import OneDeviceStrategy
+from keras_dist.strategies._parameter_server import ParameterServerStrategy
 from keras_dist.strategies._replica_context import ReplicaContext, get_replica_context
 from keras_dist.strategies._tpu import TPUStrategy
 from keras_dist.strategies._values import PerReplica, ReduceOp
 
 __all__ = [
     "CommunicationOptions",
+    "MemoryReport",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "TPUStrategy",
+    "VariableMemory",
     "get_replica_context",
 ]

@@ -13,7 +13,9 @@ from keras_dist.data import _distributed_dataset
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
+from keras_dist.strategies._memory_report import MemoryReport, memory_report
 from keras_dist.strategies._placement import Placement
+from keras_dist.strategies._sharding import ShardPlan, replicated
 from keras_dist.strategies._values import ReduceOp
 
 __all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
@@ -26,7 +28,8 @@ class Strategy(Placement, keras.distribution.DataParallel):
     """Base class of keras_dist strategies: a data-parallel Keras distribution.
 
     A strategy owns a 1-D `jax.sharding.Mesh` with the axis `"batch"`. Inside
-    `strategy.scope()` every Keras variable is created replicated on the mesh
+    `strategy.scope()` every Keras variable is created on the mesh, replicated
+    unless the strategy shards it (`_shard_plan`),
     and `model.fit/evaluate/predict` split each global batch over it. A model
     built in the scope remembers its strategy: calling `fit` outside the scope
     (as the tf.distribute tutorials do) still runs distributed.
@@ -88,15 +91,45 @@ class Strategy(Placement, keras.distribution.DataParallel):
             yield self
 
     def get_variable_layout(self, variable):
-        """Keras's hook: every variable is replicated on the mesh.
+        """Keras's hook: the layout each new variable is created with.
 
-        With several processes, each new variable is first checked to have the
-        same shape and dtype on every process: JAX would otherwise abort in a
-        collective when the processes build different models.
+        Replicated unless the strategy shards (`_shard_plan`). With several
+        processes, each new variable is first checked to have the same shape
+        and dtype on every process: JAX would otherwise abort in a collective
+        when the processes build different models.
         """
-        if self._spans_processes and getattr(variable, "_layout", None) is None:
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        if self._spans_processes:
             _check_same_variable(variable)
-        return super().get_variable_layout(variable)
+        plan = self._shard_plan(tuple(variable.shape), variable.dtype)
+        return plan.layout(variable.shape, self.device_mesh)
+
+    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
+        """Where a variable of `shape` and `dtype` goes; a strategy may shard."""
+        del shape, dtype
+        return replicated(f"{type(self).__name__} replicates variables")
+
+    def _slot_layout(self, variable):
+        """The layout of an optimizer slot of `variable`; None: the variable's."""
+        del variable
+        return None
+
+    def memory_report(self, model: keras.Model) -> MemoryReport:
+        """Bytes of `model`'s weights and optimizer state per device, and why.
+
+        Example:
+
+        ```python
+        print(strategy.memory_report(model))   # a table, one row per variable
+        ```
+
+        Returns:
+            A `MemoryReport`: totals per device and, for each variable, its
+            layout (split axis and parts, or replicated and the reason),
+            measured on the arrays' device buffers.
+        """
+        return memory_report(self, model)
 
     def _check_global_batch(self, batch_size: int) -> None:
         """Called with each `batch_size` of a call; a strategy may warn."""

@@ -6,6 +6,7 @@ import jax
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._devices import resolve_devices
+from keras_dist.strategies._sharding import ShardPlan, plan_largest_divisible
 
 __all__ = ["MirroredStrategy"]
 
@@ -28,16 +29,68 @@ class MirroredStrategy(Strategy):
     model.fit(x, y, batch_size=64)             # 64 = global batch
     ```
 
+    With `shard_variables=True` (FSDP / ZeRO-3) each variable, and with it
+    its optimizer slots, is created split over the devices along its largest
+    dimension divisible by the number of replicas (others stay replicated):
+    each device holds 1/N of those bytes, and XLA gathers a weight where a
+    step needs it. The numbers are those of the replicated run (to float
+    rounding). With `shard_optimizer_state=True` (ZeRO-1) only the optimizer
+    slots are split that way. `strategy.memory_report(model)` shows what went
+    where.
+
     Args:
         devices: the devices to replicate over, as strings (`"gpu:0"`,
             `"/gpu:1"`, `"/job:localhost/replica:0/task:0/device:GPU:0"`,
             `"cpu:3"`) or `jax.Device`s. Defaults to `None`: every device of
             JAX's default backend in this process.
+        shard_variables: split variables (and their optimizer slots) over
+            the devices. Defaults to `False`: replicated.
+        shard_optimizer_state: split only the optimizer slots (moments,
+            momentum, gradient accumulators) over the devices, weights
+            replicated (ZeRO-1): bit-identical to the replicated run. Defaults
+            to `False`.
 
     Raises:
         ValueError: if `devices` is empty, has duplicates or mixes kinds.
         keras_dist.errors.DeviceNotFoundError: if a device is not visible.
     """
 
-    def __init__(self, devices: Sequence["str | jax.Device"] | None = None):
+    def __init__(
+        self,
+        devices: Sequence["str | jax.Device"] | None = None,
+        *,
+        shard_variables: bool = False,
+        shard_optimizer_state: bool = False,
+    ):
+        for name, value in (
+            ("shard_variables", shard_variables),
+            ("shard_optimizer_state", shard_optimizer_state),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"`{name}` must be True or False. Received: {name}={value!r}."
+                )
+        self._shard_variables = shard_variables
+        self._shard_optimizer_state = shard_optimizer_state
         super().__init__(resolve_devices(devices, argument="devices"))
+
+    @property
+    def shard_variables(self) -> bool:
+        """Whether variables are split over the devices (FSDP)."""
+        return self._shard_variables
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether optimizer slots are split over the devices (ZeRO-1)."""
+        return self._shard_optimizer_state
+
+    def _slot_layout(self, variable):
+        if not self._shard_optimizer_state or self._shard_variables:
+            return None  # Slots follow their variable.
+        plan = plan_largest_divisible(tuple(variable.shape), self.num_replicas_in_sync)
+        return plan.layout(variable.shape, self.device_mesh)
+
+    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
+        if not self._shard_variables:
+            return super()._shard_plan(shape, dtype)
+        return plan_largest_divisible(shape, self.num_replicas_in_sync)

@@ -1,0 +1,44 @@
+"""Seam 5: optimizer state laid out by the strategy (ZeRO-1).
+
+Keras creates every optimizer slot (momentum, Adam's moments, gradient
+accumulators) with `BaseOptimizer.add_variable_from_reference`, which gives
+the slot its model variable's layout. `Strategy.get_variable_layout` is never
+asked, so a strategy cannot shard the slots of replicated weights there. This
+seam hands Keras's own method a view of the reference variable whose layout is
+the strategy's `_slot_layout(variable)` — everything else (name, shape, dtype,
+initializer) stays Keras's.
+"""
+
+import functools
+from collections.abc import Callable
+
+import keras
+
+from keras_dist.strategies._base import Strategy
+
+__all__ = ["_add_variable_from_reference"]
+
+
+class _WithLayout:
+    """`variable`, but with `_layout` replaced."""
+
+    def __init__(self, variable, layout):
+        self._variable = variable
+        self._layout = layout
+
+    def __getattr__(self, name):
+        return getattr(self._variable, name)
+
+
+def _add_variable_from_reference(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(optimizer, reference_variable, *args, **kwargs):
+        strategy = keras.distribution.distribution()
+        if isinstance(strategy, Strategy):
+            layout = strategy._slot_layout(reference_variable)
+            if layout is not None:
+                reference_variable = _WithLayout(reference_variable, layout)
+        return method(optimizer, reference_variable, *args, **kwargs)
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper

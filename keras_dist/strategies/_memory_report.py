@@ -1,0 +1,141 @@
+"""`MemoryReport`: how many bytes of a model each device holds, and why."""
+
+import dataclasses
+
+import numpy as np
+
+from keras_dist.strategies._placement import BATCH_AXIS
+
+__all__ = ["MemoryReport", "VariableMemory", "memory_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableMemory:
+    """One variable: its size, and how it is laid out on the mesh.
+
+    Attributes:
+        path: the Keras variable path (`"sequential/dense/kernel"`).
+        kind: `"weight"` (the model's) or `"optimizer"` (slots, counters).
+        shape: the global shape.
+        dtype: the dtype name.
+        nbytes: the bytes of the whole variable.
+        bytes_per_device: the bytes the fullest device holds.
+        axis: the dimension split over the mesh, `None` when replicated.
+        parts: how many parts (1 when replicated).
+        reason: why it is replicated (empty when sharded).
+    """
+
+    path: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    bytes_per_device: int
+    axis: int | None
+    parts: int
+    reason: str
+
+    @property
+    def layout(self) -> str:
+        if self.axis is None:
+            return f"replicated: {self.reason}" if self.reason else "replicated"
+        return f"axis {self.axis} in {self.parts}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes of a model's weights and optimizer state.
+
+    Attributes:
+        strategy: the strategy's `repr`.
+        num_devices: devices in the mesh.
+        weight_bytes: bytes of the weights (all of them, once).
+        weight_bytes_per_device: bytes of weights on the fullest device.
+        optimizer_bytes: bytes of the optimizer state (all of it, once).
+        optimizer_bytes_per_device: bytes of optimizer state on the fullest
+            device.
+        variables: one `VariableMemory` per variable, weights first.
+    """
+
+    strategy: str
+    num_devices: int
+    weight_bytes: int
+    weight_bytes_per_device: int
+    optimizer_bytes: int
+    optimizer_bytes_per_device: int
+    variables: tuple[VariableMemory, ...]
+
+    def __str__(self) -> str:
+        rows = [("variable", "shape", "dtype", "bytes", "per device", "layout")]
+        rows += [
+            (
+                v.path,
+                str(v.shape),
+                v.dtype,
+                str(v.nbytes),
+                str(v.bytes_per_device),
+                v.layout,
+            )
+            for v in self.variables
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [
+            f"MemoryReport of {self.strategy}",
+            f"  weights:         {self.weight_bytes_per_device} bytes per device "
+            f"(of {self.weight_bytes})",
+            f"  optimizer state: {self.optimizer_bytes_per_device} bytes per device "
+            f"(of {self.optimizer_bytes})",
+        ]
+        for row in rows:
+            cells = [c.ljust(w) for c, w in zip(row[:5], widths, strict=True)]
+            lines.append("  " + "  ".join([*cells, row[5]]))
+        return "\n".join(lines)
+
+
+def memory_report(strategy, model) -> MemoryReport:
+    """Reads the layout and the device buffers of every variable of `model`."""
+    weights = list(model.trainable_variables) + list(model.non_trainable_variables)
+    optimizer = getattr(model, "optimizer", None)
+    seen = {id(v) for v in weights}
+    slots = [v for v in getattr(optimizer, "variables", []) if id(v) not in seen]
+    entries, per_device = [], {"weight": {}, "optimizer": {}}
+    for kind, group in (("weight", weights), ("optimizer", slots)):
+        for v in group:
+            entries.append(_describe(strategy, v, kind, per_device[kind]))
+    weight = [e for e in entries if e.kind == "weight"]
+    opt = [e for e in entries if e.kind == "optimizer"]
+    return MemoryReport(
+        strategy=repr(strategy),
+        num_devices=strategy.num_replicas_in_sync,
+        weight_bytes=sum(e.nbytes for e in weight),
+        weight_bytes_per_device=max(per_device["weight"].values(), default=0),
+        optimizer_bytes=sum(e.nbytes for e in opt),
+        optimizer_bytes_per_device=max(per_device["optimizer"].values(), default=0),
+        variables=tuple(entries),
+    )
+
+
+def _describe(strategy, variable, kind: str, totals: dict) -> VariableMemory:
+    value = variable.value
+    shape = tuple(int(d) for d in value.shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize
+    held: dict = {}
+    for shard in value.addressable_shards:
+        held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    for device, n in held.items():
+        totals[device] = totals.get(device, 0) + n
+    spec = tuple(getattr(value.sharding, "spec", ()) or ())
+    axis = next((i for i, s in enumerate(spec) if s == BATCH_AXIS), None)
+    plan = strategy._shard_plan(shape, value.dtype)
+    reason = "" if axis is not None else plan.reason or "follows a replicated one"
+    return VariableMemory(
+        path=variable.path,
+        kind=kind,
+        shape=shape,
+        dtype=str(value.dtype),
+        nbytes=nbytes,
+        bytes_per_device=max(held.values(), default=0),
+        axis=axis,
+        parts=1 if axis is None else strategy.num_replicas_in_sync,
+        reason=reason,
+    )

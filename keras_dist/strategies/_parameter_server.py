@@ -1,0 +1,112 @@
+"""`ParameterServerStrategy`: tf's name for sharded variables, run synchronously."""
+
+from collections.abc import Callable
+
+from keras_dist.cluster._resolver import ClusterResolver
+from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._devices import resolve_devices
+from keras_dist.strategies._partitioners import FixedShardsPartitioner
+from keras_dist.strategies._sharding import ShardPlan, plan_by_partitioner
+
+__all__ = ["ParameterServerStrategy"]
+
+
+class ParameterServerStrategy(Strategy):
+    """Variables split over the devices by a tf partitioner; synchronous SPMD.
+
+    This is **not** tf's asynchronous parameter-server training: there are no
+    `ps` tasks, no `ClusterCoordinator` and no stale gradients. What it keeps
+    is tf's `variable_partitioner`: a variable it asks to split into 2 or
+    more shards is created split over every local device (`"batch"` mesh
+    axis of N devices) along its largest dimension divisible by N, so each
+    device holds 1/N of it; its optimizer slots follow it. Training is
+    synchronous data parallelism, as `MirroredStrategy`, with the numbers of
+    one device.
+
+    JAX splits a dimension over a whole mesh axis, so the partitioner's count
+    decides *whether* a variable is split, not into how many parts: it is
+    always N. A variable with no dimension divisible by N, a scalar, or one
+    the partitioner gives 1 shard stays replicated; `memory_report(model)`
+    says which and why.
+
+    Migrating from tf: the `ClusterCoordinator` loop becomes `fit` (or
+    `strategy.run` in a custom loop):
+
+    ```python
+    # tf: coordinator = ClusterCoordinator(strategy)
+    #     coordinator.schedule(step_fn, args=(iter(per_worker_dataset),))
+    strategy = kd.ParameterServerStrategy(
+        variable_partitioner=kd.partitioners.MinSizePartitioner(
+            min_shard_bytes=256 << 10, max_shards=8
+        )
+    )
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64)
+    ```
+
+    Args:
+        cluster_resolver: `None` (this process's devices) or a resolver of a
+            single process. Several processes are not supported yet.
+        variable_partitioner: a callable `(shape, dtype) -> partitions per
+            axis`, e.g. `kd.partitioners.FixedShardsPartitioner(8)`. Defaults
+            to `None`: every variable replicated.
+
+    Raises:
+        ValueError: for a resolver of several processes, or a
+            `FixedShardsPartitioner` whose `num_shards` (>= 2) does not
+            divide the number of devices.
+        TypeError: if `variable_partitioner` is not callable.
+    """
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Callable | None = None,
+    ):
+        if cluster_resolver is not None and cluster_resolver.num_processes != 1:
+            raise ValueError(
+                "ParameterServerStrategy runs synchronously in one process for "
+                "now; a cluster of several processes is not supported. Received: "
+                f"cluster_resolver={cluster_resolver!r}. Use "
+                "`kd.ParameterServerStrategy(variable_partitioner=...)` on one "
+                "host, or `kd.MultiWorkerMirroredStrategy()` for several hosts."
+            )
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "`variable_partitioner` must be a callable `(shape, dtype) -> "
+                "partitions`, e.g. `kd.partitioners.FixedShardsPartitioner(8)`. "
+                f"Received: variable_partitioner={variable_partitioner!r}."
+            )
+        self._cluster_resolver = cluster_resolver
+        self._variable_partitioner = variable_partitioner
+        super().__init__(resolve_devices(None, argument="devices"))
+        _check_divides_mesh(variable_partitioner, self.num_replicas_in_sync)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver | None:
+        return self._cluster_resolver
+
+    @property
+    def variable_partitioner(self) -> Callable | None:
+        return self._variable_partitioner
+
+    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
+        return plan_by_partitioner(
+            self._variable_partitioner, shape, dtype, self.num_replicas_in_sync
+        )
+
+
+def _check_divides_mesh(partitioner, devices: int) -> None:
+    if not isinstance(partitioner, FixedShardsPartitioner):
+        return
+    shards = partitioner.num_shards
+    if shards == 1 or devices % shards == 0:
+        return
+    raise ValueError(
+        f"`num_shards` of the `variable_partitioner` must divide the {devices} "
+        f"devices of the mesh (a variable is split over all of them). Received: "
+        f"variable_partitioner=FixedShardsPartitioner(num_shards={shards}). "
+        f"Use FixedShardsPartitioner({devices})."
+    )
