@@ -30,7 +30,7 @@ API cannot express are done here, on Keras's JAX trainer
 
 5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
    are created with the strategy's `_slot_layout` (ZeRO-1 shards them while
-   the weights stay replicated).
+   the weights stay replicated), and their update gets whole gradients.
 
 4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call
    is checked to be the same call on every process (else an error instead
@@ -55,7 +55,10 @@ from keras_dist._keras_compat._input import (
     _make_function,
 )
 from keras_dist._keras_compat._model import _entry_point, _step_builder
-from keras_dist._keras_compat._optimizer import _add_variable_from_reference
+from keras_dist._keras_compat._optimizer import (
+    _add_variable_from_reference,
+    _stateless_apply,
+)
 from keras_dist._keras_compat._state import originals as _originals
 
 CHECKED_KERAS = "3.15"
@@ -94,11 +97,10 @@ def seams() -> dict[str, Any]:
     from keras.src.optimizers import base_optimizer
     from keras.src.utils import rng_utils
 
-    found["BaseOptimizer.add_variable_from_reference"] = getattr(
-        getattr(base_optimizer, "BaseOptimizer", None),
-        "add_variable_from_reference",
-        None,
-    )
+    for name in ("add_variable_from_reference", "stateless_apply"):
+        found[f"BaseOptimizer.{name}"] = getattr(
+            getattr(base_optimizer, "BaseOptimizer", None), name, None
+        )
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
@@ -145,9 +147,13 @@ def install() -> None:
         setattr(module.JAXTrainer, name, _entry_point(method))
     from keras.src.optimizers.base_optimizer import BaseOptimizer
 
-    method = BaseOptimizer.add_variable_from_reference
-    _originals["BaseOptimizer.add_variable_from_reference"] = method
-    BaseOptimizer.add_variable_from_reference = _add_variable_from_reference(method)
+    for name, wrap in (
+        ("add_variable_from_reference", _add_variable_from_reference),
+        ("stateless_apply", _stateless_apply),
+    ):
+        method = getattr(BaseOptimizer, name)
+        _originals[f"BaseOptimizer.{name}"] = method
+        setattr(BaseOptimizer, name, wrap(method))
     for name in STEP_BUILDERS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method

@@ -16,7 +16,7 @@ import keras
 
 from keras_dist.strategies._base import Strategy
 
-__all__ = ["_add_variable_from_reference"]
+__all__ = ["_add_variable_from_reference", "_stateless_apply"]
 
 
 class _WithLayout:
@@ -39,6 +39,28 @@ def _add_variable_from_reference(method: Callable) -> Callable:
             if layout is not None:
                 reference_variable = _WithLayout(reference_variable, layout)
         return method(optimizer, reference_variable, *args, **kwargs)
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _stateless_apply(method: Callable) -> Callable:
+    """Gradients whole before a ZeRO-1 update: the replicated run's bits.
+
+    With split slots, XLA would reduce the gradients with a reduce-scatter
+    (another summation order than the all-reduce of the replicated run); a
+    replicated-layout constraint keeps the all-reduce, and each device then
+    updates its part of the slots.
+    """
+
+    @functools.wraps(method)
+    def wrapper(optimizer, optimizer_variables, grads, trainable_variables):
+        strategy = keras.distribution.distribution()
+        if isinstance(strategy, Strategy) and strategy._slots_need_whole_gradients():
+            grads = [
+                g if g is None else strategy._replicated_constraint(g) for g in grads
+            ]
+        return method(optimizer, optimizer_variables, grads, trainable_variables)
 
     wrapper._keras_dist_wrapped = method
     return wrapper

@@ -115,6 +115,14 @@ class Strategy(Placement, keras.distribution.DataParallel):
         del variable
         return None
 
+    def _slots_need_whole_gradients(self) -> bool:
+        """Whether slots are split while weights are whole (ZeRO-1)."""
+        return False
+
+    def _replicated_constraint(self, array):
+        """`array` laid out whole on every device (inside a compiled step)."""
+        return jax.lax.with_sharding_constraint(array, self._replicated)
+
     def memory_report(self, model: keras.Model) -> MemoryReport:
         """Bytes of `model`'s weights and optimizer state per device, and why.
 

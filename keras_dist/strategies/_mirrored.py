@@ -84,6 +84,9 @@ class MirroredStrategy(Strategy):
         """Whether optimizer slots are split over the devices (ZeRO-1)."""
         return self._shard_optimizer_state
 
+    def _slots_need_whole_gradients(self) -> bool:
+        return self._shard_optimizer_state and not self._shard_variables
+
     def _slot_layout(self, variable):
         if not self._shard_optimizer_state or self._shard_variables:
             return None  # Slots follow their variable.

@@ -202,19 +202,16 @@ def test_bad_arguments():
         kd.MirroredStrategy(shard_variables="yes")
 
 
-def test_zero1_equals_mirrored_and_one_device():
-    """ZeRO-1: the replicated computation with the slots split.
-
-    Not bit-identical (yet): XLA reduces the gradients of sharded slots with
-    a reduce-scatter instead of an all-reduce, another summation order, so a
-    few weights differ in the last bit (observed: 5 of 96, 3e-8).
-    """
+def test_zero1_is_bit_identical_to_mirrored():
+    """ZeRO-1: the replicated computation with the slots split: the same bits
+    (the gradients are all-reduced whole before the split update)."""
     model, history, evaluated, predicted = _run("zero1")
     ref_model, ref_history, ref_evaluated, ref_predicted = _run("mirrored")
-    assert_weights_close(ref_model.get_weights(), model.get_weights(), rtol=1e-6)
-    assert_history_close(ref_history, history, rtol=1e-6)
-    np.testing.assert_allclose(evaluated, ref_evaluated, rtol=1e-6)
-    np.testing.assert_allclose(predicted, ref_predicted, rtol=1e-6, atol=1e-7)
+    for a, b in zip(ref_model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(b, a)
+    assert history == ref_history
+    np.testing.assert_array_equal(evaluated, ref_evaluated)
+    np.testing.assert_array_equal(predicted, ref_predicted)
     one_device = _run("one_device")
     assert_history_close(one_device[1], history)
     assert_weights_close(one_device[0].get_weights(), model.get_weights())
