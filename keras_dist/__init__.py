@@ -15,6 +15,7 @@ from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
 _ensure_jax_backend()
 
 from keras_dist import (  # noqa: E402
+    _keras_compat,
     callbacks,
     cluster,
     data,
@@ -24,6 +25,7 @@ from keras_dist import (  # noqa: E402
     tpu,
     utils,
 )
+from keras_dist._version import __version__  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
     CommunicationOptions,
@@ -39,10 +41,6 @@ from keras_dist.strategies import (  # noqa: E402
     TPUStrategy,
     get_replica_context,
 )
-
-__version__ = "0.1.0"
-
-from keras_dist import _keras_compat  # noqa: E402
 
 # The private Keras seams (inert unless a keras_dist strategy is in use).
 _keras_compat.install()

@@ -60,6 +60,7 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
+from keras_dist._version import __version__
 
 CHECKED_KERAS = "3.15"
 ENTRY_POINTS = (
@@ -116,8 +117,6 @@ def seams() -> dict[str, Any]:
 
 
 def _version() -> str:
-    from keras_dist import __version__
-
     return __version__
 
 

@@ -45,7 +45,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_dist.data._tf_data import ROWS, is_tf_dataset, rows_or_batches
+from keras_dist.data._tf_data import (
+    ROWS,
+    is_tf_dataset,
+    rows_or_batches,
+    scalar_component,
+)
 
 __all__ = ["check_dataset", "first_element_checked"]
 
@@ -283,17 +288,11 @@ def _check_tf_dataset(dataset, argument: str, per_replica: bool) -> None:
 
 def _check_no_scalars(dataset, argument: str, per_replica: bool) -> None:
     """Any dataset whose element has a scalar component is unbatched."""
-    import tensorflow as tf
-
-    unbatched = [
-        spec
-        for spec in tf.nest.flatten(dataset.element_spec)
-        if getattr(spec, "shape", None) is not None and spec.shape.rank == 0
-    ]
-    if unbatched:
+    scalar = scalar_component(dataset)
+    if scalar is not None:
         raise ValueError(
             f"`{argument}` must be batched, but its elements have scalar "
-            f"components ({unbatched[0]}). Received: element_spec="
+            f"components ({scalar}). Received: element_spec="
             f"{dataset.element_spec}. Batch it by the {_size(per_replica)}: "
             f"`dataset.batch({_size_expression(per_replica)})`."
         )

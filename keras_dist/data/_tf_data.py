@@ -9,7 +9,14 @@ answers "unknown" and the caller accepts the dataset).
 import re
 from typing import Any
 
-__all__ = ["BATCHED", "ROWS", "UNKNOWN", "is_tf_dataset", "rows_or_batches"]
+__all__ = [
+    "BATCHED",
+    "ROWS",
+    "UNKNOWN",
+    "is_tf_dataset",
+    "rows_or_batches",
+    "scalar_component",
+]
 
 _MAX_NODES = 256  # Walk no further into a dataset graph: "unknown".
 
@@ -19,6 +26,16 @@ def is_tf_dataset(value: Any) -> bool:
     return type(value).__module__.startswith("tensorflow") and hasattr(
         value, "element_spec"
     )
+
+
+def scalar_component(dataset):
+    """The first rank-0 component of `dataset`'s elements (unbatched), or None."""
+    import tensorflow as tf
+
+    for spec in tf.nest.flatten(dataset.element_spec):
+        if getattr(spec, "shape", None) is not None and spec.shape.rank == 0:
+            return spec
+    return None
 
 
 def rows_or_batches(dataset) -> tuple[str, list[str]]:

@@ -3,7 +3,13 @@
 import weakref
 from typing import Any
 
-__all__ = ["model_variables", "register", "strategy_of_model", "strategy_of_variable"]
+__all__ = [
+    "is_strategy",
+    "model_variables",
+    "register",
+    "strategy_of_model",
+    "strategy_of_variable",
+]
 
 # DeviceMesh -> Strategy, so a variable's layout leads back to its strategy.
 _STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
@@ -11,6 +17,12 @@ _STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictio
 
 def register(strategy) -> None:
     _STRATEGY_OF_MESH[strategy.device_mesh] = strategy
+
+
+def is_strategy(distribution) -> bool:
+    """Whether `distribution` is a keras_dist strategy (every one registers)."""
+    mesh = getattr(distribution, "device_mesh", None)
+    return mesh is not None and _STRATEGY_OF_MESH.get(mesh) is distribution
 
 
 def strategy_of_variable(variable):

@@ -8,6 +8,7 @@ its mesh (`_sharding.py`): JAX splits a dimension over a whole mesh axis, so
 the count says *whether* to shard, not into how many parts.
 """
 
+import abc
 import math
 from collections.abc import Sequence
 
@@ -21,11 +22,12 @@ __all__ = [
 ]
 
 
-class Partitioner:
+class Partitioner(abc.ABC):
     """Base class: `partitioner(shape, dtype, axis=0)` -> partitions per axis."""
 
+    @abc.abstractmethod
     def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list[int]:
-        raise NotImplementedError
+        """The number of partitions along each axis of a variable."""
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k.lstrip('_')}={v!r}" for k, v in vars(self).items())

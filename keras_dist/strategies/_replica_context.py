@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import keras
 
 from keras_dist.data._partial_batch import real_mask, total_real
+from keras_dist.strategies import _ownership
 from keras_dist.strategies._values import ReduceOp
 
 __all__ = ["ReplicaContext", "get_replica_context"]
@@ -160,9 +161,7 @@ def get_replica_context() -> ReplicaContext | None:
     current = _CURRENT.get()
     if current is not None:
         return current
-    from keras_dist.strategies._base import Strategy
-
-    if isinstance(keras.distribution.distribution(), Strategy):
+    if _ownership.is_strategy(keras.distribution.distribution()):
         return None
     return _DefaultReplicaContext()
 
