@@ -95,6 +95,7 @@ class _Reader:
         self.strategy = strategy
         self.source = source
         self.call = call
+        self.sparse = False  # Whether the first batch holds a sparse matrix.
         self.host = self._checked(iter(batches), per_process, channel)
 
     def _checked(self, batches: Iterator[Any], per_process: bool, channel: str):
@@ -137,6 +138,11 @@ class _Reader:
             item = next(self.host, None)
             if item is None:
                 return
+            if first:
+                self.sparse = any(
+                    is_sparse(leaf)
+                    for leaf in jax.tree.leaves(item[0], is_leaf=is_leaf)
+                )
             arrays, num_real = self.lay_out(item)
             if stats is not None:
                 stats.record(time.perf_counter() - start, first=first)
@@ -189,6 +195,7 @@ class InputPass:
         )
         self._out = self._reader.produced(keras)
         self._prefetcher = None
+        self._read_first = False
         if prefetch:
             # Lazy: a resume skips batches (on this thread) before the first step.
             self._prefetcher = Prefetcher(self._out, prefetch, lazy=True)
@@ -200,7 +207,7 @@ class InputPass:
 
         Only before the first `next()`: a resumed `fit` replays its input so.
         """
-        if self._prefetcher is not None and self._prefetcher.started:
+        if self._read_first:
             raise RuntimeError("InputPass.skip() after the pass has started.")
         for done in range(count):
             if next(self._reader.host, None) is None:
@@ -211,9 +218,20 @@ class InputPass:
         return self
 
     def __next__(self) -> Any:
-        if self._prefetcher is not None:
-            return next(self._prefetcher)
-        return next(self._out)
+        prefetcher = self._prefetcher
+        if prefetcher is None:
+            return next(self._out)
+        if self._read_first:
+            return next(prefetcher)
+        self._read_first = True
+        # The first batch is read here. Sparse batches are read on this thread
+        # only: Keras slices them with JAX ops (BCOO), and such eager JAX work
+        # on a second thread while a step runs was seen to abort XLA on CPU.
+        batch = next(self._out)
+        if self._reader.sparse:
+            prefetcher.close()
+            self._prefetcher = None
+        return batch
 
     def close(self) -> None:
         """Stops the prefetch thread, if any (also done when dropped)."""

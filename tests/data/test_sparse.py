@@ -8,6 +8,7 @@ over 8 replicas only once padded; 40 rows in batches of 8 need no padding.
 
 import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -369,3 +370,27 @@ def test_sparse_x_into_a_dense_input_matches_plain_keras():
     reference = plain_keras_sparse_results(kind, sparse_input=False)
     results = sparse_fit_evaluate_predict(mirrored(8), kind, sparse_input=False)
     _assert_same(reference, results, 37)
+
+
+def test_sparse_batches_are_read_on_the_calling_thread():
+    """Keras slices sparse batches with JAX ops: no read-ahead thread for them
+    (eager JAX work on a second thread during a step aborted XLA on CPU)."""
+    seen = []
+
+    class Threads(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.extend(t.name for t in threading.enumerate())
+
+    x, y = sparse_problem(40)
+    with mirrored(8).scope():
+        model = keras.Sequential(
+            [keras.Input((FEATURES,), sparse=True), keras.layers.Dense(CLASSES)]
+        )
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(
+        scipy.sparse.csr_matrix(x), y, batch_size=8, verbose=0, callbacks=[Threads()]
+    )
+    assert seen and "keras_dist-prefetch" not in seen
+    seen.clear()
+    model.fit(x, y, batch_size=8, verbose=0, callbacks=[Threads()])
+    assert "keras_dist-prefetch" in seen  # Dense batches are read ahead.
