@@ -45,12 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_dist.data._tf_data import (
-    ROWS,
-    is_tf_dataset,
-    rows_or_batches,
-    scalar_component,
-)
+from keras_dist.data._tf_data import check_tf_dataset, is_tf_dataset
 
 __all__ = ["check_dataset", "first_element_checked"]
 
@@ -208,7 +203,7 @@ def check_dataset(value: Any, *, argument: str, per_replica: bool) -> None:
             that is provably unbatched.
     """
     if is_tf_dataset(value):
-        _check_tf_dataset(value, argument, per_replica)
+        check_tf_dataset(value, argument, per_replica)
         return
     if _is_array(value):
         raise TypeError(
@@ -266,43 +261,3 @@ def _checked_pass(batches: Iterator[Any], argument: str, per_replica: bool):
                     f"{_fix(per_replica)}"
                 )
         yield element
-
-
-def _check_tf_dataset(dataset, argument: str, per_replica: bool) -> None:
-    _check_no_scalars(dataset, argument, per_replica)
-    kind, chain = rows_or_batches(dataset)
-    if kind != ROWS:
-        return
-    size = _size_expression(per_replica)
-    pipeline = " -> ".join(f"`{step}`" for step in chain)
-    raise ValueError(
-        f"`{argument}` must be batched by the "
-        f"{'per-replica' if per_replica else 'global'} batch size, but its "
-        f"elements are single examples: it is {pipeline}, with no `batch`. "
-        f"Received: {argument}={type(dataset).__name__} with element_spec="
-        f"{dataset.element_spec}. Batch it: `dataset.batch({size})`. (If each "
-        "element already is a batch, e.g. a slice of an array of shape "
-        f"(steps, batch, ...), say so with `dataset.rebatch({size})`.)"
-    )
-
-
-def _check_no_scalars(dataset, argument: str, per_replica: bool) -> None:
-    """Any dataset whose element has a scalar component is unbatched."""
-    scalar = scalar_component(dataset)
-    if scalar is not None:
-        raise ValueError(
-            f"`{argument}` must be batched, but its elements have scalar "
-            f"components ({scalar}). Received: element_spec="
-            f"{dataset.element_spec}. Batch it by the {_size(per_replica)}: "
-            f"`dataset.batch({_size_expression(per_replica)})`."
-        )
-
-
-def _size(per_replica: bool) -> str:
-    return "per-replica batch size" if per_replica else "global batch size"
-
-
-def _size_expression(per_replica: bool) -> str:
-    if per_replica:
-        return "input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)"
-    return "GLOBAL_BATCH_SIZE"

@@ -13,6 +13,7 @@ __all__ = [
     "BATCHED",
     "ROWS",
     "UNKNOWN",
+    "check_tf_dataset",
     "is_tf_dataset",
     "rows_or_batches",
     "scalar_component",
@@ -127,3 +128,48 @@ def _walk(dataset, budget: list[int]) -> tuple[str, list[str]]:
             return UNKNOWN, []
         return ROWS, [*chain, "map"]
     return UNKNOWN, []
+
+
+# The checks (experimental_distribute_dataset, dataset_fn) -----------------
+
+
+def check_tf_dataset(dataset, argument: str, per_replica: bool) -> None:
+    """Refuses a dataset that is provably unbatched (scalar components, or
+    a row source with no batching step after it), naming `argument`."""
+    _check_no_scalars(dataset, argument, per_replica)
+    kind, chain = rows_or_batches(dataset)
+    if kind != ROWS:
+        return
+    size = _size_expression(per_replica)
+    pipeline = " -> ".join(f"`{step}`" for step in chain)
+    raise ValueError(
+        f"`{argument}` must be batched by the "
+        f"{'per-replica' if per_replica else 'global'} batch size, but its "
+        f"elements are single examples: it is {pipeline}, with no `batch`. "
+        f"Received: {argument}={type(dataset).__name__} with element_spec="
+        f"{dataset.element_spec}. Batch it: `dataset.batch({size})`. (If each "
+        "element already is a batch, e.g. a slice of an array of shape "
+        f"(steps, batch, ...), say so with `dataset.rebatch({size})`.)"
+    )
+
+
+def _check_no_scalars(dataset, argument: str, per_replica: bool) -> None:
+    """Any dataset whose element has a scalar component is unbatched."""
+    scalar = scalar_component(dataset)
+    if scalar is not None:
+        raise ValueError(
+            f"`{argument}` must be batched, but its elements have scalar "
+            f"components ({scalar}). Received: element_spec="
+            f"{dataset.element_spec}. Batch it by the {_size(per_replica)}: "
+            f"`dataset.batch({_size_expression(per_replica)})`."
+        )
+
+
+def _size(per_replica: bool) -> str:
+    return "per-replica batch size" if per_replica else "global batch size"
+
+
+def _size_expression(per_replica: bool) -> str:
+    if per_replica:
+        return "input_context.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)"
+    return "GLOBAL_BATCH_SIZE"
