@@ -6,12 +6,12 @@ import jax
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._devices import resolve_devices
-from keras_dist.strategies._sharding import ShardPlan, plan_largest_divisible
+from keras_dist.strategies._sharded_state import ShardedState
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(Strategy):
+class MirroredStrategy(ShardedState, Strategy):
     """Synchronous training on many devices of one machine.
 
     Like `tf.distribute.MirroredStrategy`: one replica per device, variables
@@ -62,38 +62,8 @@ class MirroredStrategy(Strategy):
         shard_variables: bool = False,
         shard_optimizer_state: bool = False,
     ):
-        for name, value in (
-            ("shard_variables", shard_variables),
-            ("shard_optimizer_state", shard_optimizer_state),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(
-                    f"`{name}` must be True or False. Received: {name}={value!r}."
-                )
-        self._shard_variables = shard_variables
-        self._shard_optimizer_state = shard_optimizer_state
+        self._set_sharded_state(
+            shard_variables=shard_variables,
+            shard_optimizer_state=shard_optimizer_state,
+        )
         super().__init__(resolve_devices(devices, argument="devices"))
-
-    @property
-    def shard_variables(self) -> bool:
-        """Whether variables are split over the devices (FSDP)."""
-        return self._shard_variables
-
-    @property
-    def shard_optimizer_state(self) -> bool:
-        """Whether optimizer slots are split over the devices (ZeRO-1)."""
-        return self._shard_optimizer_state
-
-    def _slots_need_whole_gradients(self) -> bool:
-        return self._shard_optimizer_state and not self._shard_variables
-
-    def _slot_layout(self, variable):
-        if not self._shard_optimizer_state or self._shard_variables:
-            return None  # Slots follow their variable.
-        plan = plan_largest_divisible(tuple(variable.shape), self.num_replicas_in_sync)
-        return plan.layout(variable.shape, self.device_mesh)
-
-    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
-        if not self._shard_variables:
-            return super()._shard_plan(shape, dtype)
-        return plan_largest_divisible(shape, self.num_replicas_in_sync)

@@ -1,16 +1,13 @@
 """`MultiWorkerMirroredStrategy`: synchronous data parallelism over processes."""
 
 import dataclasses
-import random
 
 import jax
-import keras
 
-from keras_dist import _keras_compat
-from keras_dist.cluster import _initialize, _sync
 from keras_dist.cluster._resolver import ClusterResolver
-from keras_dist.errors import ClusterConfigError
 from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._join import global_devices, join_cluster
+from keras_dist.strategies._sharded_state import ShardedState
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -54,7 +51,7 @@ class CommunicationOptions:
             )
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class MultiWorkerMirroredStrategy(ShardedState, Strategy):
     """Synchronous training over every device of every process (host).
 
     Like `tf.distribute.MultiWorkerMirroredStrategy`: each process (worker)
@@ -82,9 +79,17 @@ class MultiWorkerMirroredStrategy(Strategy):
     model.fit(x, y, batch_size=64 * strategy.num_replicas_in_sync, epochs=3)
     ```
 
+    `shard_variables=True` (FSDP) and `shard_optimizer_state=True` (ZeRO-1)
+    split the variables and/or their optimizer slots over every device of
+    every process, as for `MirroredStrategy`: each device holds 1/N of them.
+
     Args:
         cluster_resolver: a `kd.cluster` resolver; defaults to detection.
         communication_options: a `CommunicationOptions` (timeouts).
+        shard_variables: split variables (and their optimizer slots) over
+            all devices. Defaults to `False`: replicated.
+        shard_optimizer_state: split only the optimizer slots (ZeRO-1).
+            Defaults to `False`.
 
     Raises:
         ClusterConfigError: for a cluster with `ps` tasks, or a bad resolver.
@@ -97,6 +102,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        *,
+        shard_variables: bool = False,
+        shard_optimizer_state: bool = False,
     ):
         if communication_options is None:
             communication_options = CommunicationOptions()
@@ -105,25 +113,18 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "`communication_options` must be a `kd.CommunicationOptions`. "
                 f"Received: {communication_options!r}."
             )
+        self._set_sharded_state(
+            shard_variables=shard_variables,
+            shard_optimizer_state=shard_optimizer_state,
+        )
         self._communication_options = communication_options
-        resolver = _initialize.resolve(cluster_resolver)
-        if resolver.has_parameter_servers:
-            raise ClusterConfigError(
-                "MultiWorkerMirroredStrategy trains synchronously on workers only, "
-                "but the cluster has `ps` (parameter server) tasks: "
-                f'"ps": {resolver.cluster_spec["ps"]}. Parameter-server training '
-                "(tf's ParameterServerStrategy) is not supported: remove the "
-                '"ps" entries from TF_CONFIG and run every host as a worker.'
-            )
-        self._cluster_resolver = _initialize.initialize(
-            resolver,
+        self._cluster_resolver = join_cluster(
+            cluster_resolver,
             timeout=communication_options.timeout_seconds,
             implementation=communication_options.implementation,
+            strategy_name="MultiWorkerMirroredStrategy",
         )
-        _sync.set_timeout(communication_options.timeout_seconds)
-        _agree_on_seed()
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-        super().__init__(devices)
+        super().__init__(global_devices())
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -147,19 +148,3 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
 
     __str__ = __repr__
-
-
-def _agree_on_seed() -> None:
-    """Gives every process the same random seed (Keras, NumPy, Python, TF).
-
-    Initial weights, dropout seeds and shuffling must be the same on every
-    process (tf.distribute broadcasts initial values for the same reason).
-    If the program set a seed with `keras.utils.set_random_seed` the
-    processes keep it (it is the same program); otherwise the chief picks one.
-    """
-    if jax.process_count() == 1 or _keras_compat.global_seed() is not None:
-        return
-    seed = _sync.broadcast_from_chief(
-        "random-seed", random.SystemRandom().randrange(2**31)
-    )
-    keras.utils.set_random_seed(seed)

@@ -4,11 +4,13 @@ from collections.abc import Callable
 
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._devices import resolve_devices
+from keras_dist.strategies._join import global_devices, join_cluster
 from keras_dist.strategies._partitioners import FixedShardsPartitioner
 from keras_dist.strategies._sharding import ShardPlan, plan_by_partitioner
 
 __all__ = ["ParameterServerStrategy"]
+
+_TIMEOUT_SECONDS = 300.0  # Joining the cluster, as MultiWorkerMirroredStrategy.
 
 
 class ParameterServerStrategy(Strategy):
@@ -20,8 +22,11 @@ class ParameterServerStrategy(Strategy):
     more shards is created split over every local device (`"batch"` mesh
     axis of N devices) along its largest dimension divisible by N, so each
     device holds 1/N of it; its optimizer slots follow it. Training is
-    synchronous data parallelism, as `MirroredStrategy`, with the numbers of
-    one device.
+    synchronous data parallelism, as `MultiWorkerMirroredStrategy`, with the
+    numbers of one device. With several processes (TF_CONFIG, SLURM,
+    `keras-dist-run`, or `cluster_resolver`) the mesh spans every device of
+    every process, so a sharded variable is split over all of them; tf's
+    `ps` tasks have no counterpart (every host is a worker).
 
     JAX splits a dimension over a whole mesh axis, so the partitioner's count
     decides *whether* a variable is split, not into how many parts: it is
@@ -47,16 +52,17 @@ class ParameterServerStrategy(Strategy):
     ```
 
     Args:
-        cluster_resolver: `None` (this process's devices) or a resolver of a
-            single process. Several processes are not supported yet.
+        cluster_resolver: the cluster; defaults to detection (TF_CONFIG,
+            SLURM, `keras-dist-run`, else this process alone).
         variable_partitioner: a callable `(shape, dtype) -> partitions per
             axis`, e.g. `kd.partitioners.FixedShardsPartitioner(8)`. Defaults
             to `None`: every variable replicated.
 
     Raises:
-        ValueError: for a resolver of several processes, or a
-            `FixedShardsPartitioner` whose `num_shards` (>= 2) does not
-            divide the number of devices.
+        ValueError: for a `FixedShardsPartitioner` whose `num_shards` (>= 2)
+            does not divide the number of devices.
+        ClusterConfigError: for a TF_CONFIG with `ps` tasks.
+        ClusterTimeoutError: if the cluster does not form within 300 s.
         TypeError: if `variable_partitioner` is not callable.
     """
 
@@ -65,27 +71,25 @@ class ParameterServerStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         variable_partitioner: Callable | None = None,
     ):
-        if cluster_resolver is not None and cluster_resolver.num_processes != 1:
-            raise ValueError(
-                "ParameterServerStrategy runs synchronously in one process for "
-                "now; a cluster of several processes is not supported. Received: "
-                f"cluster_resolver={cluster_resolver!r}. Use "
-                "`kd.ParameterServerStrategy(variable_partitioner=...)` on one "
-                "host, or `kd.MultiWorkerMirroredStrategy()` for several hosts."
-            )
         if variable_partitioner is not None and not callable(variable_partitioner):
             raise TypeError(
                 "`variable_partitioner` must be a callable `(shape, dtype) -> "
                 "partitions`, e.g. `kd.partitioners.FixedShardsPartitioner(8)`. "
                 f"Received: variable_partitioner={variable_partitioner!r}."
             )
-        self._cluster_resolver = cluster_resolver
         self._variable_partitioner = variable_partitioner
-        super().__init__(resolve_devices(None, argument="devices"))
+        self._cluster_resolver = join_cluster(
+            cluster_resolver,
+            timeout=_TIMEOUT_SECONDS,
+            implementation="auto",
+            strategy_name="ParameterServerStrategy",
+        )
+        super().__init__(global_devices())
         _check_divides_mesh(variable_partitioner, self.num_replicas_in_sync)
 
     @property
-    def cluster_resolver(self) -> ClusterResolver | None:
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolved cluster (one process unless one was found)."""
         return self._cluster_resolver
 
     @property

@@ -8,7 +8,7 @@ import jax
 
 from keras_dist.cluster._tpu_resolver import TPUClusterResolver, joined
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._multi_worker import _agree_on_seed
+from keras_dist.strategies._join import agree_on_seed
 from keras_dist.strategies._tpu_mesh import tpu_device_order
 
 __all__ = ["TPUStrategy", "check_global_batch"]
@@ -74,7 +74,7 @@ class TPUStrategy(Strategy):
             example="kd.TPUStrategy(kd.cluster.TPUClusterResolver())",
         )
         self._cluster_resolver = resolver
-        _agree_on_seed()
+        agree_on_seed()
         super().__init__(_as_jax_devices(tpu_device_order(resolver.devices)))
 
     def _check_global_batch(self, batch_size: int) -> None:

@@ -7,6 +7,7 @@ Sharded runs must give the numbers of one device on a partial last batch
 """
 
 import functools
+import json
 
 import keras
 import numpy as np
@@ -195,11 +196,58 @@ def test_fixed_shards_must_divide_the_mesh():
 def test_bad_arguments():
     with pytest.raises(TypeError, match="variable_partitioner=8"):
         kd.ParameterServerStrategy(variable_partitioner=8)
-    resolver = kd.cluster.SimpleClusterResolver("localhost:1234", 2, 0)
-    with pytest.raises(ValueError, match="several processes is not supported"):
-        kd.ParameterServerStrategy(cluster_resolver=resolver)
     with pytest.raises(TypeError, match="shard_variables='yes'"):
         kd.MirroredStrategy(shard_variables="yes")
+
+
+def test_parameter_server_tasks_are_refused_with_the_fix(monkeypatch):
+    """tf's `ps` tasks have no JAX counterpart: every host runs as a worker."""
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "KERAS_DIST_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    config = {
+        "cluster": {
+            "chief": ["localhost:1"],
+            "worker": ["localhost:2"],
+            "ps": ["localhost:3"],
+        },
+        "task": {"type": "chief", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with pytest.raises(kd.errors.ClusterConfigError) as error:
+        kd.ParameterServerStrategy(
+            variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
+        )
+    message = str(error.value)
+    assert message.startswith("ParameterServerStrategy trains synchronously")
+    assert "\"ps\": ['localhost:3']" in message
+    assert 'remove the "ps" entries from TF_CONFIG' in message
+
+
+def test_one_process_cluster_resolver_keeps_the_local_devices():
+    resolver = kd.cluster.SimpleClusterResolver("localhost:1234", 1, 0)
+    strategy = kd.ParameterServerStrategy(cluster_resolver=resolver)
+    assert strategy.num_replicas_in_sync == 8
+    assert strategy.cluster_resolver.num_processes == 1
+
+
+@pytest.mark.parametrize("option", ["shard_variables", "shard_optimizer_state"])
+def test_multi_worker_mirrored_takes_the_sharding_options(monkeypatch, option):
+    """One process: MultiWorkerMirroredStrategy(option) == MirroredStrategy(option)."""
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "KERAS_DIST_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    strategy = kd.MultiWorkerMirroredStrategy(**{option: True})
+    assert getattr(strategy, option)
+    model = build_in_scope(strategy, initial_weights(**MODEL), **MODEL)
+    x, y, sw = make_data(37, seed=0)
+    model.fit(x, y, sample_weight=sw, batch_size=10, epochs=2, shuffle=False, verbose=0)
+    reference = _run("fsdp" if option == "shard_variables" else "zero1")[0]
+    for a, b in zip(reference.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_array_equal(b, a)
+    kernel = model.optimizer.variables[2]  # the first kernel's first Adam moment
+    assert kernel.shape == (6, 16)
+    assert [s.data.shape for s in kernel.value.addressable_shards] == [(6, 2)] * 8
+    with pytest.raises(TypeError, match="shard_optimizer_state=1"):
+        kd.MultiWorkerMirroredStrategy(shard_optimizer_state=1)
 
 
 def test_zero1_is_bit_identical_to_mirrored():
