@@ -55,6 +55,8 @@ class Strategy(Placement, keras.distribution.DataParallel):
         self._process_count = len({d.process_index for d in self.devices})
         self._spans_processes = self._process_count > 1
         self._row_ranges: dict[int, slice] = {}
+        # ids of the batches `shard` laid out, while they live (`_placement`).
+        self._laid_out_batches: dict[int, None] = {}
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -122,6 +124,23 @@ class Strategy(Placement, keras.distribution.DataParallel):
     def _replicated_constraint(self, array):
         """`array` laid out whole on every device (inside a compiled step)."""
         return jax.lax.with_sharding_constraint(array, self._replicated)
+
+    def _state_off_device(self) -> bool:
+        """Whether variables live outside device memory (host memory).
+
+        Then every step, compiled or eager, gets its state through
+        `_state_to_compute` and an eager step gives it back through
+        `_state_to_storage` (a compiled one through its `out_shardings`).
+        """
+        return False
+
+    def _state_to_compute(self, state: Any) -> Any:
+        """A step's state (variables' values) moved where the step computes."""
+        return state
+
+    def _state_to_storage(self, state: Any) -> Any:
+        """A step's new state moved where the variables live."""
+        return state
 
     def memory_report(self, model: keras.Model) -> MemoryReport:
         """Bytes of `model`'s weights and optimizer state per device, and why.

@@ -96,6 +96,9 @@ class ParameterServerStrategy(Strategy):
     def variable_partitioner(self) -> Callable | None:
         return self._variable_partitioner
 
+    def _shards_state(self) -> bool:
+        return self._variable_partitioner is not None
+
     def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
         return plan_by_partitioner(
             self._variable_partitioner, shape, dtype, self.num_replicas_in_sync

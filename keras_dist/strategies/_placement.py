@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import weakref
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -23,12 +25,19 @@ class Placement:
     input layer reads of a strategy (`keras_dist/data/_target.py`).
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
-    `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`.
+    `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`,
+    `_laid_out_batches`.
     """
 
     # Placement helpers ------------------------------------------------------
 
     def _is_batch_sharded(self, array: jax.Array) -> bool:
+        """Whether `array` is a global batch split over the replicas.
+
+        A variable split along its first axis (FSDP, a partitioner, ZeRO-1
+        slots) has the layout of a batch; when the strategy splits state, a
+        batch is only what `shard` laid out.
+        """
         # Called for every leaf of every `run`: cheap spec test first.
         sharding = getattr(array, "sharding", None)
         if not isinstance(sharding, NamedSharding) or array.ndim == 0:
@@ -38,7 +47,20 @@ class Placement:
         first = first if isinstance(first, tuple) else (first,)
         if first != (BATCH_AXIS,) or any(s is not None for s in spec[1:]):
             return False
-        return sharding.mesh is self.mesh or sharding.mesh == self.mesh
+        if not (sharding.mesh is self.mesh or sharding.mesh == self.mesh):
+            return False
+        return not self._shards_state() or id(array) in self._laid_out_batches
+
+    def _shards_state(self) -> bool:
+        """Whether some variables or optimizer slots are split over the mesh."""
+        return False
+
+    def _remember_batches(self, arrays: list) -> None:
+        for array in arrays:
+            if isinstance(array, jax.Array) and not _sparse.is_sparse(array):
+                key = id(array)
+                self._laid_out_batches[key] = None
+                weakref.finalize(array, self._laid_out_batches.pop, key, None)
 
     def _replicate(self, array) -> jax.Array:
         if isinstance(array, jax.Array) and (
@@ -110,10 +132,9 @@ class Placement:
                 else self._data_sharding(a.ndim)
                 for a in arrays
             ]
-            return jax.tree.unflatten(treedef, jax.device_put(arrays, shardings))
-        return jax.tree.unflatten(
-            treedef,
-            [
+            placed = jax.device_put(arrays, shardings)
+        else:
+            placed = [
                 _sparse.place_sparse(a, self.mesh)
                 if _sparse.is_sparse(a)
                 else jax.make_array_from_process_local_data(
@@ -122,8 +143,10 @@ class Placement:
                     (rows, *a.shape[1:]) if a.ndim else None,
                 )
                 for a in arrays
-            ],
-        )
+            ]
+        if self._shards_state():
+            self._remember_batches(placed)
+        return jax.tree.unflatten(treedef, placed)
 
     def distribute_dataset(self, dataset):
         """Keras's hook for tf.data inputs of fit/evaluate/predict.

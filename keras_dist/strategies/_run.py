@@ -8,7 +8,10 @@ Each leaf of the arguments is classified once:
 - a batch or `PerReplica` of another strategy (another mesh): refused, it
   would otherwise reach every replica whole;
 - any other array (weights, optimizer state, NumPy arrays): every replica
-  gets the whole value, replicated, as in tf.distribute;
+  gets the whole value, replicated, as in tf.distribute; a variable split
+  over the mesh (FSDP, a partitioner, ZeRO-1 slots) is gathered inside the
+  compiled step (it is never taken for a batch: with split state, a batch is
+  only what the strategy's input pipeline laid out);
 - anything else hashable (Python numbers, strings): a compile-time constant.
 
 The function is traced inside `shard_map` over the axis `"batch"` and
@@ -25,7 +28,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data._partial_batch import num_real_of
 from keras_dist.strategies._replica_context import (
@@ -101,7 +104,11 @@ def _classify(strategy, leaves, tree):
             if foreign_batch_mesh(strategy, leaf) is not None:
                 _check_same_strategy(strategy, leaf, tree, index)
             kinds.append(_Kind.REPLICATED)
-            values.append(strategy._replicate(leaf))
+            # A variable split over this mesh (FSDP, a partitioner, ZeRO-1
+            # slots) is gathered inside the compiled step, where it is used.
+            values.append(
+                leaf if _split_state(strategy, leaf) else strategy._replicate(leaf)
+            )
         elif isinstance(leaf, (np.ndarray, np.generic)):
             kinds.append(_Kind.REPLICATED)
             values.append(strategy._replicate(leaf))
@@ -117,6 +124,16 @@ def _classify(strategy, leaves, tree):
             kinds.append(_Kind.STATIC)
             statics.append(leaf)
     return kinds, values, statics, (per_replica_batch, num_real)
+
+
+def _split_state(strategy, leaf: jax.Array) -> bool:
+    sharding = leaf.sharding
+    return (
+        strategy._shards_state()
+        and isinstance(sharding, NamedSharding)
+        and sharding.mesh == strategy.mesh
+        and not sharding.is_fully_replicated
+    )
 
 
 def _check_same_strategy(strategy, leaf, tree, index: int) -> None:

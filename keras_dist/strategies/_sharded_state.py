@@ -45,6 +45,9 @@ class ShardedState:
         """Whether optimizer slots are split over the devices (ZeRO-1)."""
         return self._shard_optimizer_state
 
+    def _shards_state(self) -> bool:
+        return self._shard_variables or self._shard_optimizer_state
+
     def _slots_need_whole_gradients(self) -> bool:
         return self._shard_optimizer_state and not self._shard_variables
 

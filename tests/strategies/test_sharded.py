@@ -24,6 +24,7 @@ from tests._helpers import (
     make_data,
     mirrored,
 )
+from tests.cluster import _workload
 
 MODEL = {"batch_norm": True}
 STRATEGIES = {
@@ -279,3 +280,28 @@ def test_zero1_splits_the_slots_and_keeps_the_weights_whole():
     report = strategy_of_model(model).memory_report(model)
     assert report.optimizer_bytes_per_device < report.optimizer_bytes
     assert report.weight_bytes_per_device == report.weight_bytes
+
+
+@functools.cache
+def _custom_loop(name: str) -> dict:
+    return _workload.custom_loop_run(STRATEGIES[name]())
+
+
+@pytest.mark.parametrize("name", [*SHARDED, "zero1"])
+def test_custom_loop_with_split_state_matches_one_device(name):
+    """`strategy.run` gets split weights and slots whole (gathered in the step),
+    never as a batch: bias (16,) is split along axis 0, a batch's layout."""
+    expected, got = _custom_loop("one_device"), _custom_loop(name)
+    np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+    assert got["correct"] == expected["correct"]
+    assert_weights_close(expected["weights"], got["weights"])
+
+
+@pytest.mark.parametrize("name", SHARDED)
+def test_run_sees_a_split_variable_whole(name):
+    strategy = STRATEGIES[name]()
+    with strategy.scope():
+        bias = keras.Variable(np.arange(16, dtype="float32"))
+    assert bias.value.addressable_shards[0].data.shape == (2,)
+    out = strategy.run(lambda b: b.sum() + 0.0 * b, args=(bias.value,))
+    np.testing.assert_array_equal(np.asarray(out), np.full(16, 120.0))
