@@ -1,8 +1,7 @@
 """Where data goes: laying batches out over a strategy's mesh (one process or many)."""
 
-from typing import Any
-
 import weakref
+from typing import Any
 
 import jax
 import numpy as np
