@@ -38,6 +38,14 @@ API cannot express are done here, on Keras's JAX trainer
    chief's NumPy random state (same shuffling), `predict` outputs are
    gathered on every process.
 
+6. **Split variables made in parts** (`_variables.py`): under a strategy,
+   a variable the strategy splits is initialized by its initializer compiled
+   with the variable's sharding as output (each device computes its part;
+   Keras does so only from 250 MiB times the mesh size), and a NumPy value
+   assigned to it (a loaded checkpoint) goes from the host straight to the
+   parts. Same numbers as Keras; an initializer that cannot be traced takes
+   Keras's path.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -60,6 +68,10 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
+from keras_dist._keras_compat._variables import (
+    _assign,
+    _initialize_with_initializer,
+)
 from keras_dist._version import __version__
 
 CHECKED_KERAS = "3.15"
@@ -103,6 +115,17 @@ def seams() -> dict[str, Any]:
             getattr(base_optimizer, "BaseOptimizer", None), name, None
         )
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
+    from keras.src.backend.jax.core import JaxVariable
+
+    for name in ("_initialize_with_initializer", "_initialize_layout", "assign"):
+        found[f"JaxVariable.{name}"] = getattr(JaxVariable, name, None)
+    from keras.src.initializers import random_initializers
+    from keras.src.random import seed_generator
+
+    found["random_initializers.RandomInitializer"] = getattr(
+        random_initializers, "RandomInitializer", None
+    )
+    found["seed_generator.draw_seed"] = getattr(seed_generator, "draw_seed", None)
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
         found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
@@ -153,6 +176,15 @@ def install() -> None:
         method = getattr(BaseOptimizer, name)
         _originals[f"BaseOptimizer.{name}"] = method
         setattr(BaseOptimizer, name, wrap(method))
+    from keras.src.backend.jax.core import JaxVariable
+
+    for name, wrap in (
+        ("_initialize_with_initializer", _initialize_with_initializer),
+        ("assign", _assign),
+    ):
+        method = getattr(JaxVariable, name)  # `assign` is KerasVariable's.
+        _originals[f"JaxVariable.{name}"] = method
+        setattr(JaxVariable, name, wrap(method))
     for name in STEP_BUILDERS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method

@@ -1,0 +1,72 @@
+"""Values of split variables, made or placed part by part on their devices.
+
+A variable the strategy splits (`ShardPlan`) should never exist whole on one
+device: for a model that outgrows a device that copy alone does not fit, and
+even when it fits it is one device computing everything, then a
+device-to-device scatter. Here each device computes (`compute_split`) or
+receives from the host (`put_split`) only its own part.
+"""
+
+from collections.abc import Callable, Hashable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["compute_split", "put_split", "split_sharding"]
+
+# (cache_key, sharding) -> the compiled function of the first `fn` given.
+_COMPILED: dict = {}
+_MAX_COMPILED = 512
+
+
+def split_sharding(layout) -> jax.sharding.Sharding | None:
+    """The sharding of a Keras `TensorLayout` that splits its variable, or None.
+
+    None for no layout and for a layout that keeps the variable whole on
+    every device (replicated).
+    """
+    sharding = getattr(layout, "backend_layout", layout)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        return None
+    if sharding.is_fully_replicated:
+        return None
+    return sharding
+
+
+def compute_split(
+    fn: Callable,
+    args: Sequence[np.ndarray],
+    sharding: jax.sharding.Sharding,
+    *,
+    cache_key: Hashable | None = None,
+) -> jax.Array:
+    """`fn(*args)` compiled with `out_shardings=sharding`: each device computes
+    only its part.
+
+    Args:
+        fn: a traceable function of `args` returning one array.
+        args: small host arrays (e.g. a seed), sent whole to every device.
+        sharding: the layout of the result.
+        cache_key: when given, the compiled function is kept under this key
+            (and `sharding`) and reused: the caller promises that every `fn`
+            given with this key computes the same function of `args`.
+            Defaults to `None`: compiled for this call only.
+    """
+    if cache_key is None:
+        jitted = jax.jit(fn, out_shardings=sharding)
+    else:
+        jitted = _COMPILED.get((cache_key, sharding))
+        if jitted is None:
+            if len(_COMPILED) >= _MAX_COMPILED:
+                _COMPILED.clear()
+            jitted = _COMPILED[cache_key, sharding] = jax.jit(
+                fn, out_shardings=sharding
+            )
+    whole = NamedSharding(sharding.mesh, PartitionSpec())
+    return jitted(*(jax.device_put(np.asarray(a), whole) for a in args))
+
+
+def put_split(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array laid out by `sharding`: each device receives its part."""
+    return jax.device_put(value, sharding)
