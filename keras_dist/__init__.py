@@ -28,6 +28,7 @@ from keras_dist import (  # noqa: E402
 from keras_dist._version import __version__  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
 from keras_dist.strategies import (  # noqa: E402
+    CentralStorageStrategy,
     CommunicationOptions,
     MemoryReport,
     MirroredStrategy,
@@ -46,6 +47,7 @@ from keras_dist.strategies import (  # noqa: E402
 _keras_compat.install()
 
 __all__ = [
+    "CentralStorageStrategy",
     "CommunicationOptions",
     "InputContext",
     "InputOptions",

@@ -46,6 +46,14 @@ API cannot express are done here, on Keras's JAX trainer
    parts. Same numbers as Keras; an initializer that cannot be traced takes
    Keras's path.
 
+8. **State in host memory** (`_state_memory.py`): under a strategy that
+   keeps variables outside device memory (`CentralStorageStrategy`), the
+   steps Keras compiles (`jit`, donated state) move their state to device
+   memory first and give it back in host memory as their outputs; eager
+   steps do the same around the call; and `JaxVariable.value`, read while
+   JAX traces (Keras's `compute_output_spec`, a user's `jax.jit(model)`),
+   gives a host-memory variable through a transfer to device memory.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -68,6 +76,7 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
+from keras_dist._keras_compat._state_memory import variable_value
 from keras_dist._keras_compat._variables import (
     _assign,
     _initialize_with_initializer,
@@ -126,6 +135,12 @@ def seams() -> dict[str, Any]:
         random_initializers, "RandomInitializer", None
     )
     found["seed_generator.draw_seed"] = getattr(seed_generator, "draw_seed", None)
+    from keras.src.utils import jax_utils
+
+    found["JaxVariable.value"] = getattr(JaxVariable, "value", None)
+    found["jax_utils.is_in_jax_tracing_scope"] = getattr(
+        jax_utils, "is_in_jax_tracing_scope", None
+    )
     trainer_cls = found["trainer.JAXTrainer"]
     for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
         found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
@@ -189,6 +204,14 @@ def install() -> None:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
         setattr(module.JAXTrainer, name, _step_builder(method))
+    _install_state_memory()
+
+
+def _install_state_memory() -> None:
+    from keras.src.backend.jax.core import JaxVariable
+
+    _originals["JaxVariable.value"] = JaxVariable.value
+    JaxVariable.value = variable_value(JaxVariable.value)
 
 
 def global_seed() -> int | None:

@@ -10,7 +10,9 @@ trainer to it:
 - `_jit` and `_make_function`: every step — compiled or eager, one batch or
   `steps_per_execution` of them — first cuts a `PaddedBatch` back to its real
   rows. Inside `jit` the cut is a static slice of the sharded arrays; without
-  `jit` (`run_eagerly=True`, `jit_compile=False`) it is an eager slice.
+  `jit` (`run_eagerly=True`, `jit_compile=False`) it is an eager slice. Under
+  a strategy that keeps its state in host memory, both also bring the state
+  to device memory (`_state_memory.py`).
 - `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
   steps through Keras's own epoch iterator before the first real step.
 """
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 import keras
 
+from keras_dist._keras_compat import _state_memory
 from keras_dist._keras_compat._processes import gathered_outputs
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist.data import _call
@@ -52,8 +55,16 @@ def _jit(fun: Callable, *args, **kwargs):
     step = unpadding(fun)
     if getattr(fun, "__name__", "") == "predict_step":
         step = gathered_outputs(step)
+    strategy = current_strategy()
+    if _is_state_step(kwargs) and strategy is not None and strategy._state_off_device():
+        step = _state_memory.compiled_step(step, strategy)
     compiled = _originals["jit"](step, *args, **kwargs)
     return _Unpadding(compiled)
+
+
+def _is_state_step(jit_kwargs: dict) -> bool:
+    """Keras jits its steps `(state, data)` with the state donated (argument 0)."""
+    return jit_kwargs.get("donate_argnums") == 0
 
 
 class _Unpadding:
@@ -76,6 +87,9 @@ def _make_function(self, step_function, concatenate_outputs=False):
         step_function = unpadding(step_function)
         if concatenate_outputs:  # predict: whole outputs on every process.
             step_function = gathered_outputs(step_function)
+        strategy = current_strategy()
+        if strategy is not None and strategy._state_off_device():
+            step_function = _state_memory.eager_step(step_function, strategy)
     return _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )

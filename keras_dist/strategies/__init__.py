@@ -1,6 +1,7 @@
 """Strategies: what the mesh is, where variables live, the replica API."""
 
 from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._central_storage import CentralStorageStrategy
 from keras_dist.strategies._memory_report import MemoryReport, VariableMemory
 from keras_dist.strategies._mirrored import MirroredStrategy
 from keras_dist.strategies._multi_worker import (
@@ -14,6 +15,7 @@ from keras_dist.strategies._tpu import TPUStrategy
 from keras_dist.strategies._values import PerReplica, ReduceOp
 
 __all__ = [
+    "CentralStorageStrategy",
     "CommunicationOptions",
     "MemoryReport",
     "MirroredStrategy",

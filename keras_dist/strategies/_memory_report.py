@@ -8,6 +8,8 @@ from keras_dist.strategies._placement import BATCH_AXIS
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
 
+_DEVICE = "device"
+
 
 @dataclasses.dataclass(frozen=True)
 class VariableMemory:
@@ -23,6 +25,8 @@ class VariableMemory:
         axis: the dimension split over the mesh, `None` when replicated.
         parts: how many parts (1 when replicated).
         reason: why it is replicated (empty when sharded).
+        memory_kind: the JAX memory kind of its buffers: `"device"`, or
+            `"pinned_host"` for host memory (`CentralStorageStrategy`).
     """
 
     path: str
@@ -34,6 +38,7 @@ class VariableMemory:
     axis: int | None
     parts: int
     reason: str
+    memory_kind: str = "device"
 
     @property
     def layout(self) -> str:
@@ -50,11 +55,17 @@ class MemoryReport:
         strategy: the strategy's `repr`.
         num_devices: devices in the mesh.
         weight_bytes: bytes of the weights (all of them, once).
-        weight_bytes_per_device: bytes of weights on the fullest device.
+        weight_bytes_per_device: bytes of weights in the device memory of the
+            fullest device (weights kept in host memory are not counted).
         optimizer_bytes: bytes of the optimizer state (all of it, once).
-        optimizer_bytes_per_device: bytes of optimizer state on the fullest
-            device.
+        optimizer_bytes_per_device: bytes of optimizer state in the device
+            memory of the fullest device.
         variables: one `VariableMemory` per variable, weights first.
+        host_bytes_per_device: bytes of weights and optimizer state in the
+            host memory space of the fullest device (`"pinned_host"`).
+        host_bytes: bytes of weights and optimizer state in host memory, over
+            every device's host memory space (a replicated variable counts
+            once per device).
     """
 
     strategy: str
@@ -64,9 +75,12 @@ class MemoryReport:
     optimizer_bytes: int
     optimizer_bytes_per_device: int
     variables: tuple[VariableMemory, ...]
+    host_bytes_per_device: int = 0
+    host_bytes: int = 0
 
     def __str__(self) -> str:
-        rows = [("variable", "shape", "dtype", "bytes", "per device", "layout")]
+        header = ("variable", "shape", "dtype", "bytes", "per device", "memory")
+        rows = [(*header, "layout")]
         rows += [
             (
                 v.path,
@@ -74,11 +88,12 @@ class MemoryReport:
                 v.dtype,
                 str(v.nbytes),
                 str(v.bytes_per_device),
+                v.memory_kind,
                 v.layout,
             )
             for v in self.variables
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = [
             f"MemoryReport of {self.strategy}",
             f"  weights:         {self.weight_bytes_per_device} bytes per device "
@@ -86,9 +101,14 @@ class MemoryReport:
             f"  optimizer state: {self.optimizer_bytes_per_device} bytes per device "
             f"(of {self.optimizer_bytes})",
         ]
+        if self.host_bytes:
+            lines.append(
+                f"  host memory:     {self.host_bytes_per_device} bytes per device "
+                f"({self.host_bytes} in all)"
+            )
         for row in rows:
-            cells = [c.ljust(w) for c, w in zip(row[:5], widths, strict=True)]
-            lines.append("  " + "  ".join([*cells, row[5]]))
+            cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+            lines.append("  " + "  ".join([*cells, row[-1]]))
         return "\n".join(lines)
 
 
@@ -98,10 +118,10 @@ def memory_report(strategy, model) -> MemoryReport:
     optimizer = getattr(model, "optimizer", None)
     seen = {id(v) for v in weights}
     slots = [v for v in getattr(optimizer, "variables", []) if id(v) not in seen]
-    entries, per_device = [], {"weight": {}, "optimizer": {}}
+    entries, per_device = [], {"weight": {}, "optimizer": {}, "host": {}}
     for kind, group in (("weight", weights), ("optimizer", slots)):
         for v in group:
-            entries.append(_describe(strategy, v, kind, per_device[kind]))
+            entries.append(_describe(strategy, v, kind, per_device))
     weight = [e for e in entries if e.kind == "weight"]
     opt = [e for e in entries if e.kind == "optimizer"]
     return MemoryReport(
@@ -112,13 +132,18 @@ def memory_report(strategy, model) -> MemoryReport:
         optimizer_bytes=sum(e.nbytes for e in opt),
         optimizer_bytes_per_device=max(per_device["optimizer"].values(), default=0),
         variables=tuple(entries),
+        host_bytes_per_device=max(per_device["host"].values(), default=0),
+        host_bytes=sum(per_device["host"].values()),
     )
 
 
-def _describe(strategy, variable, kind: str, totals: dict) -> VariableMemory:
+def _describe(strategy, variable, kind: str, per_device: dict) -> VariableMemory:
+    """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
     value = variable.value
     shape = tuple(int(d) for d in value.shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize
+    memory_kind = getattr(value.sharding, "memory_kind", None) or _DEVICE
+    totals = per_device[kind if memory_kind == _DEVICE else "host"]
     held: dict = {}
     for shard in value.addressable_shards:
         held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
@@ -138,4 +163,5 @@ def _describe(strategy, variable, kind: str, totals: dict) -> VariableMemory:
         axis=axis,
         parts=1 if axis is None else strategy.num_replicas_in_sync,
         reason=reason,
+        memory_kind=memory_kind,
     )
