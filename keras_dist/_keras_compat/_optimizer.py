@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._base import Strategy, strategy_of_variable
 
 __all__ = ["_add_variable_from_reference", "_stateless_apply"]
 
@@ -33,7 +33,11 @@ class _WithLayout:
 def _add_variable_from_reference(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(optimizer, reference_variable, *args, **kwargs):
-        strategy = keras.distribution.distribution()
+        # The weight's strategy decides, also when the optimizer is built
+        # outside the scope (`optimizer.build(model.trainable_variables)`).
+        strategy = strategy_of_variable(reference_variable)
+        if strategy is None:
+            strategy = keras.distribution.distribution()
         if isinstance(strategy, Strategy):
             layout = strategy._slot_layout(reference_variable)
             if layout is not None:

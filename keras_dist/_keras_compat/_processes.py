@@ -61,11 +61,14 @@ def _model_digest(model) -> str:
 
 
 def _weights_digest(model) -> str:
-    """Checksum of this process's copy of every built variable's value."""
+    """Checksum of this process's copy of every built replicated variable.
+
+    A split variable is left out: each process holds other parts of it.
+    """
     crc = 0
     for v in model.variables:
         value = getattr(v, "_value", None)
-        if isinstance(value, jax.Array):
+        if isinstance(value, jax.Array) and value.sharding.is_fully_replicated:
             local = np.asarray(value.addressable_shards[0].data)
             crc = zlib.crc32(np.ascontiguousarray(local).view(np.uint8), crc)
     return f"{crc:08x}"

@@ -305,3 +305,13 @@ def test_run_sees_a_split_variable_whole(name):
     assert bias.value.addressable_shards[0].data.shape == (2,)
     out = strategy.run(lambda b: b.sum() + 0.0 * b, args=(bias.value,))
     np.testing.assert_array_equal(np.asarray(out), np.full(16, 120.0))
+
+
+def test_zero1_slots_split_when_the_optimizer_is_built_outside_the_scope():
+    strategy = STRATEGIES["zero1"]()
+    model = build_in_scope(strategy, initial_weights(**MODEL), **MODEL)
+    model.optimizer.build(model.trainable_variables)  # no scope open
+    kernel_moment = model.optimizer.variables[2]
+    assert kernel_moment.shape == (6, 16)
+    shards = kernel_moment.value.addressable_shards
+    assert [s.data.shape for s in shards] == [(6, 2)] * 8

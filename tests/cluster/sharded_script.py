@@ -1,0 +1,69 @@
+"""One process of a `keras-dist-run -n 2` run of the split-state strategies.
+
+ParameterServerStrategy (FixedShardsPartitioner(8)) and
+MultiWorkerMirroredStrategy with `shard_variables` (FSDP) and
+`shard_optimizer_state` (ZeRO-1) over 2 processes x 4 devices: the split
+variables have parts on both processes. Writes `result_<rank>.json`: the
+`_workload` numbers (compared with one device by the test) and the shapes of
+the parts each process holds.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import keras_dist as kd
+
+OPTIONS = kd.CommunicationOptions(timeout_seconds=90)
+STRATEGIES = {
+    "fsdp": lambda: kd.MultiWorkerMirroredStrategy(
+        communication_options=OPTIONS, shard_variables=True
+    ),
+    "parameter_server": lambda: kd.ParameterServerStrategy(
+        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
+    ),
+    "zero1": lambda: kd.MultiWorkerMirroredStrategy(
+        communication_options=OPTIONS, shard_optimizer_state=True
+    ),
+}
+built = {name: make() for name, make in STRATEGIES.items()}
+
+import jax  # noqa: E402
+
+from tests._helpers import build_in_scope, initial_weights  # noqa: E402
+from tests.cluster import _workload  # noqa: E402
+
+workdir = sys.argv[1]
+rank = jax.process_index()
+
+
+def parts(strategy) -> dict:
+    """Per variable: global shape, and the shapes of this process's parts."""
+    model = build_in_scope(strategy, initial_weights(batch_norm=True), batch_norm=True)
+    model.optimizer.build(model.trainable_variables)
+    return {
+        v.path: [
+            list(v.shape),
+            [list(s.data.shape) for s in v.value.addressable_shards],
+        ]
+        for v in [*model.weights, *model.optimizer.variables]
+    }
+
+
+results = {"rank": rank}
+for name, strategy in built.items():
+    checkpoints = os.path.join(workdir, name)
+    os.makedirs(checkpoints, exist_ok=True)
+    results[name] = {
+        "replicas": strategy.num_replicas_in_sync,
+        "num_processes": strategy.num_processes,
+        "parts": parts(strategy),
+        "fit": _workload.fit_run(strategy, checkpoints),
+    }
+results["fsdp"]["loop"] = _workload.custom_loop_run(built["fsdp"])
+with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
+    json.dump(results, f)
+print(f"rank {rank} done", flush=True)

@@ -1,0 +1,105 @@
+"""Split state over 2 real processes x 4 devices vs one device.
+
+FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
+`ParameterServerStrategy` split variables and slots over all 8 devices, so
+each variable has parts on both processes: fit (NumPy, PyDataset, tf.data),
+evaluate, predict, ModelCheckpoint (every process takes part in the gather,
+the chief writes) and a custom loop must give the one-device numbers.
+"""
+
+import functools
+import json
+import pathlib
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from tests._helpers import assert_history_close, assert_weights_close
+from tests.cluster import _workload
+from tests.cluster.test_multi_worker import launch
+
+HERE = pathlib.Path(__file__).parent
+NAMES = ("fsdp", "parameter_server", "zero1")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharded")
+    result = launch(HERE / "sharded_script.py", workdir, timeout=500)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in (0, 1)]
+    return workdir, results
+
+
+@functools.cache
+def reference():
+    strategy = kd.OneDeviceStrategy("cpu:0")
+    return _workload.fit_run(strategy), _workload.custom_loop_run(strategy)
+
+
+def _split(shape):
+    """The part of a variable of `shape` on each of 8 devices."""
+    divisible = [i for i, d in enumerate(shape) if d % 8 == 0]
+    if not divisible:
+        return list(shape)
+    axis = max(divisible, key=lambda i: (shape[i], -i))
+    return [d // 8 if i == axis else d for i, d in enumerate(shape)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_process_holds_its_four_eighths(cluster, name):
+    _, results = cluster
+    for result in results:
+        got = result[name]
+        assert (got["replicas"], got["num_processes"]) == (8, 2)
+        split = 0
+        for path, (shape, held) in got["parts"].items():
+            is_slot = "_momentum" in path or "_velocity" in path
+            expected = shape if name == "zero1" and not is_slot else _split(shape)
+            assert held == [expected] * 4, path
+            split += expected != shape
+        # FSDP/PS: 7 weights and 10 Adam moments split; ZeRO-1: the 10 moments.
+        assert split == (10 if name == "zero1" else 17)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fit_evaluate_predict_match_one_device(cluster, name):
+    _, results = cluster
+    expected, _ = reference()
+    for result in results:
+        got = result[name]["fit"]
+        assert_history_close(expected["history"], got["history"])
+        assert_weights_close(expected["weights"], got["weights"])
+        assert got["evaluate"] == pytest.approx(expected["evaluate"], rel=1e-5)
+        np.testing.assert_allclose(
+            got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
+        )
+        assert_history_close(expected["py_history"], got["py_history"])
+        assert_weights_close(expected["py_weights"], got["py_weights"])
+        assert_history_close(expected["tf_history"], got["tf_history"])
+        assert_weights_close(expected["tf_weights"], got["tf_weights"])
+    assert results[0][name]["fit"]["weights"] == results[1][name]["fit"]["weights"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chief_writes_loadable_checkpoints_of_split_variables(cluster, name):
+    workdir, results = cluster
+    files = sorted(p.name for p in (workdir / name).glob("ckpt_*"))
+    assert files == ["ckpt_1.weights.h5", "ckpt_2.weights.h5"]
+    model = _workload.make_model(batch_norm=True)
+    model.load_weights(workdir / name / "ckpt_2.weights.h5")
+    assert_weights_close(results[0][name]["fit"]["weights"], model.get_weights())
+    assert isinstance(model, keras.Model)
+
+
+def test_custom_loop_with_split_weights_matches_one_device(cluster):
+    _, results = cluster
+    _, expected = reference()
+    for result in results:
+        got = result["fsdp"]["loop"]
+        np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-5)
+        assert got["correct"] == expected["correct"]
+        assert_weights_close(expected["weights"], got["weights"])
