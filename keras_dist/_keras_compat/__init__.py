@@ -46,6 +46,10 @@ API cannot express are done here, on Keras's JAX trainer
    parts. Same numbers as Keras; an initializer that cannot be traced takes
    Keras's path.
 
+7. **Split variables spanning processes read back whole**
+   (`_host_values.py`): `KerasVariable.__array__` (get_weights, saving)
+   gathers a value with parts on other processes to every host.
+
 8. **State in host memory** (`_state_memory.py`): under a strategy that
    keeps variables outside device memory (`CentralStorageStrategy`), the
    steps Keras compiles (`jit`, donated state) move their state to device
@@ -63,6 +67,7 @@ from typing import Any
 
 import keras
 
+from keras_dist._keras_compat._host_values import _array
 from keras_dist._keras_compat._input import (
     _distribute_data,
     _enumerate_iterator,
@@ -135,6 +140,9 @@ def seams() -> dict[str, Any]:
         random_initializers, "RandomInitializer", None
     )
     found["seed_generator.draw_seed"] = getattr(seed_generator, "draw_seed", None)
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    found["KerasVariable.__array__"] = getattr(KerasVariable, "__array__", None)
     from keras.src.utils import jax_utils
 
     found["JaxVariable.value"] = getattr(JaxVariable, "value", None)
@@ -200,6 +208,10 @@ def install() -> None:
         method = getattr(JaxVariable, name)  # `assign` is KerasVariable's.
         _originals[f"JaxVariable.{name}"] = method
         setattr(JaxVariable, name, wrap(method))
+    from keras.src.backend.common.variables import Variable as KerasVariable
+
+    _originals["KerasVariable.__array__"] = KerasVariable.__array__
+    KerasVariable.__array__ = _array(KerasVariable.__array__)
     for name in STEP_BUILDERS:
         method = getattr(module.JAXTrainer, name)
         _originals[f"JAXTrainer.{name}"] = method
