@@ -12,12 +12,13 @@ go from the host straight to their parts. Replicated variables keep Keras's
 path (no compilation per variable).
 
 The numbers are Keras's: a Keras initializer's seed is drawn exactly as Keras
-draws it (`draw_seed`: an int seed or the next state of a `SeedGenerator`) and
-passed to the compiled function, which is therefore shared by every variable
-of the same initializer config, shape and sharding. A custom initializer is
-compiled as it is; if it cannot be traced (NumPy on its inputs, `float()` of
-a traced value) or changes a `SeedGenerator`'s state while traced, Keras's own
-path runs instead.
+draws it (`draw_seed`: an int seed or the next state of a `SeedGenerator`)
+and passed to the compiled function, which is therefore shared by every
+variable of the same initializer config, shape and sharding. `Zeros`, `Ones`
+and a scalar `Constant` need no compilation: each part is filled on the
+host. A custom initializer is compiled as it is; if it cannot be traced
+(NumPy on its inputs, `float()` of a traced value) or changes a
+`SeedGenerator`'s state while traced, Keras's own path runs instead.
 """
 
 import copy
@@ -34,6 +35,7 @@ from keras.src.random.seed_generator import draw_seed
 from keras_dist.strategies._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies._split_values import (
     compute_split,
+    fill_split,
     put_split,
     split_sharding,
 )
@@ -74,6 +76,9 @@ def _split_initial_value(initializer, shape, dtype, sharding) -> jax.Array | Non
     """The initial value computed part by part; None: use Keras's path."""
     if not _is_keras_initializer(initializer):
         return _custom_initial_value(initializer, shape, dtype, sharding)
+    fill_value = _constant(initializer)
+    if fill_value is not None:
+        return fill_split(fill_value, shape, dtype, sharding)
     key = _cache_key(initializer, shape, dtype)
     if not isinstance(initializer, RandomInitializer):
         return compute_split(
@@ -87,6 +92,20 @@ def _split_initial_value(initializer, shape, dtype, sharding) -> jax.Array | Non
 
     seed = np.asarray(draw_seed(initializer.seed))
     return compute_split(seeded, (seed,), sharding, cache_key=key)
+
+
+def _constant(initializer) -> float | None:
+    """The one value a `Zeros`, `Ones` or scalar `Constant` fills with."""
+    if type(initializer) is keras.initializers.Zeros:
+        return 0
+    if type(initializer) is keras.initializers.Ones:
+        return 1
+    if (
+        type(initializer) is keras.initializers.Constant
+        and np.ndim(initializer.value) == 0
+    ):
+        return initializer.value
+    return None
 
 
 def _custom_initial_value(initializer, shape, dtype, sharding) -> jax.Array | None:

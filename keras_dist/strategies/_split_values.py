@@ -4,7 +4,7 @@ A variable the strategy splits (`ShardPlan`) should never exist whole on one
 device: for a model that outgrows a device that copy alone does not fit, and
 even when it fits it is one device computing everything, then a
 device-to-device scatter. Here each device computes (`compute_split`) or
-receives from the host (`put_split`) only its own part.
+receives from the host (`fill_split`, `put_split`) only its own part.
 """
 
 from collections.abc import Callable, Hashable, Sequence
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["compute_split", "put_split", "split_sharding"]
+__all__ = ["compute_split", "fill_split", "put_split", "split_sharding"]
 
 # (cache_key, sharding) -> the compiled function of the first `fn` given.
 _COMPILED: dict = {}
@@ -70,3 +70,20 @@ def compute_split(
 def put_split(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """A host array laid out by `sharding`: each device receives its part."""
     return jax.device_put(value, sharding)
+
+
+def fill_split(
+    fill_value, shape: Sequence[int], dtype, sharding: jax.sharding.Sharding
+) -> jax.Array:
+    """An array of `fill_value` laid out by `sharding`, no compilation: each
+    device receives its part, made on the host at the part's size."""
+    dtype = jax.numpy.dtype(dtype)
+
+    def part(index):
+        return np.full(_part_shape(shape, index), fill_value, dtype=dtype)
+
+    return jax.make_array_from_callback(tuple(shape), sharding, part)
+
+
+def _part_shape(shape: Sequence[int], index: tuple) -> tuple[int, ...]:
+    return tuple(len(range(*i.indices(d))) for i, d in zip(index, shape, strict=True))
