@@ -8,6 +8,7 @@ import jax
 import keras
 
 from keras_dist.data import _call
+from keras_dist.strategies._memory_report import MemoryReport
 from keras_dist.strategies._ownership import strategy_of_model
 
 __all__ = ["ScalingReport"]
@@ -26,6 +27,10 @@ class ScalingReport(keras.callbacks.Callback):
     time close to the step time means the steps wait for their input: above
     `input_bound_fraction` of the step the summary calls the run
     input-bound.
+
+    With a keras_dist strategy it also reports where the model's state lives
+    (`strategy.memory_report(model)`): bytes of weights and optimizer state
+    per device and in all, host memory, and how many variables are split.
 
     After `fit`, `report.result` holds the numbers (a dict); with
     `print_summary=True` the chief prints them as one screen.
@@ -114,6 +119,7 @@ class ScalingReport(keras.callbacks.Callback):
         if call is not None:
             input_step = call.input_stats.seconds_per_batch
         fraction = input_step / step if input_step is not None and step else None
+        memory = None if strategy is None else strategy.memory_report(self.model)
         return {
             "strategy": repr(strategy) if strategy is not None else None,
             "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
@@ -132,6 +138,7 @@ class ScalingReport(keras.callbacks.Callback):
                 fraction is not None and fraction > self.input_bound_fraction
             ),
             "total_seconds": total,
+            "memory": None if memory is None else _memory_summary(memory),
         }
 
     def format(self) -> str:
@@ -160,6 +167,8 @@ class ScalingReport(keras.callbacks.Callback):
                 else f" = {r['input_fraction']:.0%} of the step"
             ),
         ]
+        if r["memory"] is not None:
+            lines += _memory_lines(r["memory"])
         if r["input_bound"]:
             lines.append(
                 "  INPUT-BOUND: producing a batch takes "
@@ -168,3 +177,39 @@ class ScalingReport(keras.callbacks.Callback):
                 "or PyDataset(workers=...)."
             )
         return "\n".join(lines)
+
+
+def _memory_summary(report: MemoryReport) -> dict:
+    return {
+        "weight_bytes": report.weight_bytes,
+        "weight_bytes_per_device": report.weight_bytes_per_device,
+        "optimizer_bytes": report.optimizer_bytes,
+        "optimizer_bytes_per_device": report.optimizer_bytes_per_device,
+        "host_bytes_per_device": report.host_bytes_per_device,
+        "variables": len(report.variables),
+        "split_variables": sum(v.axis is not None for v in report.variables),
+    }
+
+
+def _memory_lines(m: dict) -> list[str]:
+    lines = [
+        f"  weights         {_bytes(m['weight_bytes_per_device'])} per device "
+        f"(of {_bytes(m['weight_bytes'])})",
+        f"  optimizer state {_bytes(m['optimizer_bytes_per_device'])} per device "
+        f"(of {_bytes(m['optimizer_bytes'])}); {m['split_variables']} of "
+        f"{m['variables']} variables split over the devices",
+    ]
+    if m["host_bytes_per_device"]:
+        lines.append(
+            f"  host memory     {_bytes(m['host_bytes_per_device'])} of state per "
+            "device kept in host memory"
+        )
+    lines.append("  (per variable: strategy.memory_report(model))")
+    return lines
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"

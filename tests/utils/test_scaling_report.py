@@ -55,6 +55,27 @@ def test_an_input_bound_fit_is_called_so(capsys):
     assert "INPUT-BOUND" in capsys.readouterr().out
 
 
+def test_report_says_where_the_state_lives(capsys):
+    """FSDP on 8 devices, the tests' model (kernel (6, 16), bias (16,), kernel
+    (16, 3) split in 8; bias (3,) replicated) with Adam."""
+    x, y, _ = make_data(64)
+    strategy = kd.MirroredStrategy([f"cpu:{i}" for i in range(8)], shard_variables=True)
+    model = build_in_scope(strategy, initial_weights())
+    report = kd.utils.ScalingReport()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[report])
+    memory = report.result["memory"]
+    assert memory["weight_bytes"] == (96 + 16 + 48 + 3) * 4
+    assert memory["weight_bytes_per_device"] == (12 + 2 + 6 + 3) * 4
+    # Adam: iteration and learning rate (replicated scalars), 2 moments each.
+    assert memory["optimizer_bytes"] == 8 + 2 * 652
+    assert memory["optimizer_bytes_per_device"] == 8 + 2 * 92
+    assert memory["split_variables"] == 3 + 2 * 3
+    assert memory["host_bytes_per_device"] == 0
+    out = capsys.readouterr().out
+    assert "weights         92 B per device (of 652 B)" in out
+    assert "optimizer state 192 B per device (of 1.3 KiB)" in out
+
+
 def test_plain_keras_fit_has_no_input_numbers():
     x, y, _ = make_data(64)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
@@ -64,6 +85,7 @@ def test_plain_keras_fit_has_no_input_numbers():
     assert report.result["strategy"] is None and report.result["replicas"] == 1
     assert report.result["input_ms_per_step"] is None
     assert report.result["ms_per_step"] > 0
+    assert report.result["memory"] is None
 
 
 def test_bad_threshold():
