@@ -72,7 +72,8 @@ class CentralStorageStrategy(Strategy):
             Defaults to `None`: every device of JAX's default backend in this
             process.
         parameter_device: where the variables live: a CPU device (`"cpu:0"`,
-            `"/cpu:0"`): host memory; or the single compute device: its
+            `"/cpu:0"`): host memory (with a single CPU compute device, its
+            own memory, which is host RAM); or the single compute device: its
             device memory. Defaults to `None`: the compute device when there
             is exactly one, else host memory.
 
@@ -155,6 +156,10 @@ def _parameter_place(
             '"cpu:0"`: host memory) or `parameter_device=None`.'
         ) from error
     if device.platform == "cpu":
+        if len(devices) == 1 and devices[0].platform == "cpu":
+            # One CPU computes: its device memory is host RAM already (and
+            # XLA:CPU aborts one-device programs with pinned_host outputs).
+            return device_name(devices[0]), _host_memory.DEVICE
         return _host_place(devices, device_name(device))
     if len(devices) == 1 and device == devices[0]:
         return device_name(device), _host_memory.DEVICE

@@ -273,10 +273,16 @@ def test_one_compute_device_keeps_parameters_on_it():
 
 
 def test_parameter_device_cpu_means_host_memory():
-    strategy = kd.CentralStorageStrategy(["cpu:0"], parameter_device="/cpu:0")
+    strategy = kd.CentralStorageStrategy(["cpu:0", "cpu:1"], parameter_device="/cpu:0")
     assert (strategy.parameter_device, strategy.parameter_memory_kind) == (
         "cpu:0",
         HOST,
+    )
+    # One CPU computing: its device memory is the host's already.
+    one_cpu = kd.CentralStorageStrategy(["cpu:2"], parameter_device="cpu:0")
+    assert (one_cpu.parameter_device, one_cpu.parameter_memory_kind) == (
+        "cpu:2",
+        "device",
     )
     default = kd.CentralStorageStrategy()
     assert default.compute_devices == tuple(jax.local_devices())
