@@ -29,6 +29,7 @@ from keras_dist.data import _call
 from keras_dist.data._auto_shard import is_per_process
 from keras_dist.data._partial_batch import unpadding
 from keras_dist.data._pipeline import InputPass, keras_batch
+from keras_dist.data._replica_rows import tracking
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
 
@@ -51,8 +52,13 @@ def current_strategy() -> Strategy | None:
     return current if isinstance(current, Strategy) else None
 
 
+def _replicas() -> int | None:
+    strategy = current_strategy()
+    return None if strategy is None else strategy.num_replicas_in_sync
+
+
 def _jit(fun: Callable, *args, **kwargs):
-    step = unpadding(fun)
+    step = tracking(unpadding(fun), _replicas)
     if getattr(fun, "__name__", "") == "predict_step":
         step = gathered_outputs(step)
     strategy = current_strategy()
@@ -84,7 +90,7 @@ class _Unpadding:
 def _make_function(self, step_function, concatenate_outputs=False):
     """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly."""
     if not isinstance(step_function, _Unpadding):
-        step_function = unpadding(step_function)
+        step_function = tracking(unpadding(step_function), _replicas)
         if concatenate_outputs:  # predict: whole outputs on every process.
             step_function = gathered_outputs(step_function)
         strategy = current_strategy()
