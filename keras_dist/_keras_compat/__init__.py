@@ -58,6 +58,12 @@ API cannot express are done here, on Keras's JAX trainer
    JAX traces (Keras's `compute_output_spec`, a user's `jax.jit(model)`),
    gives a host-memory variable through a transfer to device memory.
 
+9. **Gradient accumulation as documented** (`_accumulation.py`): under a
+   strategy, `gradient_accumulation_steps=N` computes one update per N
+   micro-batches (inside the taken branch of a `lax.cond`) and learning-rate
+   schedules see updates, not micro-steps
+   (`keras_dist/training/_gradient_accumulation.py`).
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -67,6 +73,10 @@ from typing import Any
 
 import keras
 
+from keras_dist._keras_compat._accumulation import (
+    _backend_apply_gradients,
+    _get_current_learning_rate,
+)
 from keras_dist._keras_compat._host_values import _array
 from keras_dist._keras_compat._input import (
     _distribute_data,
@@ -128,6 +138,16 @@ def seams() -> dict[str, Any]:
         found[f"BaseOptimizer.{name}"] = getattr(
             getattr(base_optimizer, "BaseOptimizer", None), name, None
         )
+    from keras.src.backend.jax.optimizer import JaxOptimizer
+
+    found["JaxOptimizer._backend_apply_gradients"] = getattr(
+        JaxOptimizer, "_backend_apply_gradients", None
+    )
+    found["BaseOptimizer._get_current_learning_rate"] = getattr(
+        getattr(base_optimizer, "BaseOptimizer", None),
+        "_get_current_learning_rate",
+        None,
+    )
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     from keras.src.backend.jax.core import JaxVariable
 
@@ -217,6 +237,7 @@ def install() -> None:
         _originals[f"JAXTrainer.{name}"] = method
         setattr(module.JAXTrainer, name, _step_builder(method))
     _install_state_memory()
+    _install_accumulation()
 
 
 def _install_state_memory() -> None:
@@ -224,6 +245,19 @@ def _install_state_memory() -> None:
 
     _originals["JaxVariable.value"] = JaxVariable.value
     JaxVariable.value = variable_value(JaxVariable.value)
+
+
+def _install_accumulation() -> None:
+    from keras.src.backend.jax.optimizer import JaxOptimizer
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    for cls, name, wrap in (
+        (JaxOptimizer, "_backend_apply_gradients", _backend_apply_gradients),
+        (BaseOptimizer, "_get_current_learning_rate", _get_current_learning_rate),
+    ):
+        method = getattr(cls, name)
+        _originals[f"{cls.__name__}.{name}"] = method
+        setattr(cls, name, wrap(method))
 
 
 def global_seed() -> int | None:

@@ -127,7 +127,7 @@ def _model_scope(model):
 
 def _evaluate(lr, optimizer, step=None):
     if isinstance(lr, keras.optimizers.schedules.LearningRateSchedule):
-        step = int(np.asarray(optimizer.iterations.value)) if step is None else step
+        step = int(np.asarray(optimizer.iterations)) if step is None else step
         return lr(step)
     if isinstance(lr, keras.Variable):
         return lr.value
@@ -138,7 +138,7 @@ def _evaluate(lr, optimizer, step=None):
 
 def current_learning_rate(optimizer) -> float:
     """The rate the optimizer used for its most recent step (host float)."""
-    iterations = int(np.asarray(optimizer.iterations.value))
+    iterations = int(np.asarray(optimizer.iterations))
     value = _evaluate(optimizer._learning_rate, optimizer, max(iterations - 1, 0))
     return float(np.float32(np.asarray(value)))
 

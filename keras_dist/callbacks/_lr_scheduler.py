@@ -105,7 +105,7 @@ class LearningRateScheduler(keras.callbacks.Callback):
                 self._check_through(self._epoch_start + batch + runs - 1)
         elif self.per == "step":
             sync_state(self.model)
-            step = int(np.asarray(self.model.optimizer.iterations.value))
+            step = int(np.asarray(self.model.optimizer.iterations))
             self._set(step, f"step {step}")
 
     def _check_epoch_steps(self) -> None:
@@ -117,7 +117,7 @@ class LearningRateScheduler(keras.callbacks.Callback):
         checked `_CHUNK` ahead, as the batches come.
         """
         sync_state(self.model)
-        start = int(np.asarray(self.model.optimizer.iterations.value))
+        start = int(np.asarray(self.model.optimizer.iterations))
         self._epoch_start = start
         self._bad = None
         steps = (self.params or {}).get("steps")

@@ -1,0 +1,12 @@
+"""What Keras's training arguments mean under a keras_dist strategy.
+
+Where Keras's JAX backend does something other than its own documentation
+says, a keras_dist strategy gives the documented meaning; the seams in
+`keras_dist/_keras_compat/` call into these modules.
+
+- `_gradient_accumulation.py`: `gradient_accumulation_steps=N` makes one
+  optimizer update per N micro-batches, computed once, with schedules and
+  `optimizer.iterations` counted in updates.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,135 @@
+"""`gradient_accumulation_steps=N`: one optimizer update per N micro-batches.
+
+Keras documents that with `gradient_accumulation_steps=N` "model & optimizer
+variables will not be updated at every step; instead they will be updated
+every N steps, using the average value of the gradients since the last
+update", and that `optimizer.iterations` counts updates
+(`_iterations // N`). Keras 3.15's JAX backend
+(`JaxOptimizer._backend_apply_gradients`) instead computes the whole update
+on every micro-step and throws it away with `lax.cond` unless the step is an
+update step (N times the update's cost), and evaluates a
+`LearningRateSchedule` at the micro-step count `_iterations`: a schedule runs
+N times too fast (with `PiecewiseConstantDecay`, accumulation 2 at batch 16
+ends far from batch 32).
+
+Under a keras_dist strategy:
+
+- `apply` adds each micro-batch's gradients to the accumulators (laid out
+  like optimizer state: `add_variable_from_reference` goes through the
+  strategy's `_slot_layout`, so ZeRO-1 and FSDP split them); on every N-th
+  micro-step the update — clipping, weight decay, `update_step` and EMA, as
+  Keras does them, on the mean of the N gradients — runs inside the taken
+  branch of a `lax.cond`, in its own `StatelessScope`, and resets the
+  accumulators. The other branch only accumulates.
+- `schedule_step` is the step a `LearningRateSchedule` sees:
+  `optimizer.iterations`, the number of updates made. So a schedule, a
+  callback reading `optimizer.learning_rate` and EMA all count updates.
+
+With the same global batch per update (accumulation N at batch B against
+batch N*B without it), the weights and `optimizer.iterations` are those of
+the run without accumulation, when the number of rows is a multiple of N*B.
+A partial last micro-batch weighs like a full one (its mean gradient is one
+of the N averaged), as in Keras; a layer that computes batch statistics
+(BatchNormalization) sees micro-batches.
+"""
+
+import jax
+import jax.numpy as jnp
+import keras
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from keras_dist.strategies._base import Strategy, strategy_of_variable
+
+__all__ = ["accumulates_under_strategy", "apply_accumulated", "schedule_step"]
+
+
+def accumulates_under_strategy(optimizer) -> bool:
+    """Whether `optimizer` accumulates gradients and belongs to a strategy."""
+    if not getattr(optimizer, "gradient_accumulation_steps", None):
+        return False
+    iterations = getattr(optimizer, "_iterations", None)
+    if isinstance(strategy_of_variable(iterations), Strategy):
+        return True
+    return isinstance(keras.distribution.distribution(), Strategy)
+
+
+def schedule_step(optimizer):
+    """The step a learning-rate schedule sees: updates made so far."""
+    return optimizer.iterations
+
+
+def apply_accumulated(optimizer, grads, trainable_variables) -> None:
+    """Accumulates `grads`; on every N-th call, updates with their mean.
+
+    Args:
+        optimizer: a built Keras optimizer with `gradient_accumulation_steps`.
+        grads: the micro-batch's gradients, one per variable (no `None`).
+        trainable_variables: the variables `grads` belong to (a subset of
+            those the optimizer was built with).
+    """
+    steps = optimizer.gradient_accumulation_steps
+    accumulators = [
+        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
+        for v in trainable_variables
+    ]
+    state = _update_state(optimizer)
+    is_update_step = (optimizer._iterations.value + 1) % steps == 0
+
+    def update(values, grads, sums):
+        mapping = list(zip(state, values, strict=True))
+        with StatelessScope(state_mapping=mapping) as scope:
+            mean = [(g + s) / steps for g, s in zip(grads, sums, strict=True)]
+            _keras_update(optimizer, mean, trainable_variables)
+        new = [scope.get_current_value(v) for v in state]
+        new = [_like(x, old) for x, old in zip(new, values, strict=True)]
+        return new, [jnp.zeros_like(s) for s in sums]
+
+    def accumulate(values, grads, sums):
+        added = [_like(g + s, s) for g, s in zip(grads, sums, strict=True)]
+        return list(values), added
+
+    values, sums = jax.lax.cond(
+        is_update_step,
+        update,
+        accumulate,
+        [v.value for v in state],
+        list(grads),
+        [a.value for a in accumulators],
+    )
+    for variable, value in zip(state, values, strict=True):
+        variable.assign(value)
+    for accumulator, value in zip(accumulators, sums, strict=True):
+        accumulator.assign(value)
+
+
+def _keras_update(optimizer, grads, trainable_variables) -> None:
+    """Keras's update on averaged gradients (its non-accumulating branch)."""
+    grads = optimizer._clip_gradients(grads)
+    optimizer._apply_weight_decay(trainable_variables)
+    optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
+    if optimizer.use_ema:
+        optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+        if optimizer.ema_overwrite_frequency:
+            frequency = optimizer.ema_overwrite_frequency
+            overwrite = (optimizer.iterations + 1) % frequency == 0
+            for variable, average in zip(
+                optimizer._trainable_variables,
+                optimizer._model_variables_moving_average,
+                strict=True,
+            ):
+                variable.assign(jnp.where(overwrite, average.value, variable.value))
+
+
+def _update_state(optimizer) -> list:
+    """Every variable an update reads or writes, but the accumulators."""
+    skip = {id(a) for a in optimizer._accumulated_gradients if a is not None}
+    state, seen = [], skip
+    for variable in (*optimizer._trainable_variables, *optimizer.variables):
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            state.append(variable)
+    return state
+
+
+def _like(value, reference):
+    return jnp.asarray(value, dtype=reference.dtype)
