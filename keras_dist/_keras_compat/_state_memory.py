@@ -1,4 +1,4 @@
-"""Seam 6: a step's state brought to device memory (state kept in host memory).
+"""Seam 8: a step's state brought to device memory (state kept in host memory).
 
 Under a strategy whose variables live outside device memory
 (`Strategy._state_off_device()`, e.g. `CentralStorageStrategy` with its state
