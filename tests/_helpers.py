@@ -41,6 +41,21 @@ def compile_model(model: keras.Model, optimizer="adam") -> keras.Model:
     return model
 
 
+def small_model(strategy: kd.Strategy) -> keras.Model:
+    """Dense(6 -> 16) and Dense(16 -> 3), compiled, Adam built, in the scope."""
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(CLASSES),
+            ]
+        )
+        compile_model(model)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
 def initial_weights(**model_kwargs) -> list[np.ndarray]:
     keras.utils.set_random_seed(1234)
     return make_model(**model_kwargs).get_weights()

@@ -21,6 +21,7 @@ from tests._helpers import (
     compile_model,
     initial_weights,
     make_data,
+    small_model,
 )
 
 MODEL = {"batch_norm": True}
@@ -141,29 +142,21 @@ def test_weights_and_keras_files_round_trip_in_the_scope(tmp_path):
     with strategy.scope():
         fresh.optimizer.build(fresh.trainable_variables)
     fresh.load_weights(tmp_path / "m.weights.h5")
-    assert_weights_close(model.get_weights(), fresh.get_weights(), rtol=0, atol=0)
-    assert_weights_close(
-        [v.numpy() for v in model.optimizer.variables],
-        [v.numpy() for v in fresh.optimizer.variables],
-        rtol=0,
-        atol=0,
-    )
-    assert {v.value.sharding.memory_kind for v in _state(fresh)} == {HOST}
+    _assert_same_state_in_host_memory(model, fresh)
 
     model.save(tmp_path / "m.keras")
     with strategy.scope():
         loaded = keras.saving.load_model(tmp_path / "m.keras")
-    assert_weights_close(model.get_weights(), loaded.get_weights(), rtol=0, atol=0)
-    assert_weights_close(
-        [v.numpy() for v in model.optimizer.variables],
-        [v.numpy() for v in loaded.optimizer.variables],
-        rtol=0,
-        atol=0,
-    )
-    assert {v.value.sharding.memory_kind for v in _state(loaded)} == {HOST}
+    _assert_same_state_in_host_memory(model, loaded)
     np.testing.assert_allclose(
         loaded.predict(x, batch_size=10, verbose=0), expected, rtol=1e-6
     )
+
+
+def _assert_same_state_in_host_memory(model, other) -> None:
+    expected = [v.numpy() for v in _state(model)]
+    assert_weights_close(expected, [v.numpy() for v in _state(other)], 0, 0)
+    assert {v.value.sharding.memory_kind for v in _state(other)} == {HOST}
 
 
 def test_custom_training_loop_with_run_matches_one_device():
@@ -216,23 +209,9 @@ def _custom_loop(strategy):
     return losses, model.get_weights(), kinds
 
 
-def _small_model(strategy):
-    with strategy.scope():
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(16, activation="relu"),
-                keras.layers.Dense(3),
-            ]
-        )
-        compile_model(model)
-        model.optimizer.build(model.trainable_variables)
-    return model
-
-
 def test_memory_report_counts_host_memory_apart():
     strategy = _central()
-    report = strategy.memory_report(_small_model(strategy))
+    report = strategy.memory_report(small_model(strategy))
     # Weights: kernel (6, 16) 384 bytes, bias (16,) 64, kernel (16, 3) 192,
     # bias (3,) 12. Adam: iteration and learning_rate (4 bytes each), then a
     # momentum and a velocity per weight. All whole in each device's host
@@ -252,7 +231,7 @@ def test_memory_report_counts_host_memory_apart():
     assert kernel_row.split()[4:7] == ["384", "384", HOST]  # bytes, per device
 
     one = kd.CentralStorageStrategy(["cpu:0"])
-    report = one.memory_report(_small_model(one))
+    report = one.memory_report(small_model(one))
     assert report.weight_bytes_per_device == 652
     assert report.optimizer_bytes_per_device == 8 + 2 * 652
     assert report.host_bytes_per_device == report.host_bytes == 0
