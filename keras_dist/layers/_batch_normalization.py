@@ -1,4 +1,4 @@
-"""`BatchNormalization`: Keras's layer with tf MirroredStrategy's per-replica statistics."""
+"""`BatchNormalization`: Keras's layer with per-replica statistics (tf Mirrored)."""
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +125,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def _moments(self, inputs, mask):
         context = in_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
+            if mask is None:  # Keras's, whose JAX op refuses `synchronized`.
+                return keras.ops.moments(inputs, axes=self._reduction_axes)
             return super()._moments(inputs, mask)
         weights = _weights(inputs, mask, context)
         mean, variance, _ = weighted_moments(
@@ -221,9 +223,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         momentum = self.momentum
         moving_mean = self.moving_mean.value.astype(x.dtype)
         moving_variance = self.moving_variance.value.astype(x.dtype)
-        self.moving_mean.assign(
-            moving_mean * momentum + batch_mean * (1.0 - momentum)
-        )
+        self.moving_mean.assign(moving_mean * momentum + batch_mean * (1.0 - momentum))
         self.moving_variance.assign(
             moving_variance * momentum + batch_variance * (1.0 - momentum)
         )
