@@ -8,6 +8,8 @@ hold only padding — and `b = 1` for the last 7 rows — every replica one row,
 replica 7 none).
 """
 
+import functools
+
 import jax
 import keras
 import numpy as np
@@ -213,22 +215,28 @@ def _one_fit(strategy, cls, **kwargs):
     return [np.asarray(w) for w in model.get_weights()]
 
 
+@functools.cache
+def _keras_fit():
+    return _one_fit(None, keras.layers.BatchNormalization)
+
+
+_SYNC = (kd.layers.SyncBatchNormalization, {})
+_SYNCHRONIZED = (kd.layers.BatchNormalization, {"synchronized": True})
+
+
 @pytest.mark.parametrize(
-    "layer",
-    [
-        (kd.layers.SyncBatchNormalization, {}),
-        (kd.layers.BatchNormalization, {"synchronized": True}),
-    ],
-    ids=["SyncBatchNormalization", "synchronized=True"],
+    ("layer", "strategy"),
+    [(_SYNC, None), (_SYNC, "one_device"), (_SYNC, 8), (_SYNCHRONIZED, 8)],
+    ids=["sync-none", "sync-one_device", "sync-8", "synchronized=True-8"],
 )
-def test_sync_layer_equals_keras_and_one_device(layer):
+def test_sync_layer_equals_keras_and_one_device(layer, strategy):
     cls, kwargs = layer
-    keras_weights = _one_fit(None, keras.layers.BatchNormalization)
-    for strategy in (None, kd.OneDeviceStrategy("cpu:0"), mirrored(8)):
-        for got, want in zip(
-            _one_fit(strategy, cls, **kwargs), keras_weights, strict=True
-        ):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    strategy = {None: None, "one_device": kd.OneDeviceStrategy("cpu:0")}.get(
+        strategy, mirrored(8) if strategy == 8 else None
+    )
+    got = _one_fit(strategy, cls, **kwargs)
+    for got_weight, want in zip(got, _keras_fit(), strict=True):
+        np.testing.assert_allclose(got_weight, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", [None, "one_device"])
@@ -329,3 +337,34 @@ def test_renorm_needs_synchronized_under_replicas():
     model = _model(mirrored(2), _bn(renorm=True, name="bn"))
     with pytest.raises(ValueError, match=r"layer 'bn'.*Received: renorm=True"):
         _fit(model, _data())
+
+
+class _ChunkedKerasBN(keras.layers.BatchNormalization):
+    """One device: Keras's layer on each replica's rows in turn (weights only)."""
+
+    def __init__(self, replicas, **kwargs):
+        super().__init__(**kwargs)
+        self.replicas = replicas
+
+    def call(self, x, training=None):
+        b = -(-x.shape[0] // self.replicas)
+        parts = [
+            super(_ChunkedKerasBN, self).call(x[i : i + b], training=training)
+            for i in range(0, x.shape[0], b)
+        ]
+        return keras.ops.concatenate(parts, axis=0)
+
+
+def test_fit_gradients_flow_through_each_replicas_moments():
+    """Trained weights equal one device normalizing each replica's rows apart.
+
+    8 replicas: the last batch has replicas of one row, whose normalization
+    (variance 0, scale 1 / sqrt(EPS)) passes rounding on to the gradients.
+    """
+    got = _one_fit(mirrored(8), kd.layers.BatchNormalization)
+    reference = _one_fit(None, lambda **kw: _ChunkedKerasBN(8, **kw))
+    trainable = [0, 1, 2, 3, 6, 7]  # Dense, gamma, beta, Dense (not moving stats).
+    for index in trainable:
+        np.testing.assert_allclose(got[index], reference[index], rtol=1e-5, atol=1e-5)
+    keras_weights = _keras_fit()
+    assert not np.allclose(got[2], keras_weights[2], rtol=1e-3)
