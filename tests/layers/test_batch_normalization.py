@@ -8,6 +8,7 @@ hold only padding — and `b = 1` for the last 7 rows — every replica one row,
 replica 7 none).
 """
 
+import contextlib
 import functools
 
 import jax
@@ -104,21 +105,17 @@ def _bn(cls=kd.layers.BatchNormalization, **kwargs):
     )
 
 
+def _scope(strategy):
+    return strategy.scope() if strategy else contextlib.nullcontext()
+
+
 def _model(strategy, layer, shape=(C,), masked=False, wrap=False):
-    with strategy.scope() if strategy else _nothing():
+    with _scope(strategy):
         inputs = keras.Input(shape)
         h = keras.layers.Masking(0.0)(inputs) if masked else inputs
         out = (_TrainingMode(layer) if wrap else layer)(h)
         model = keras.Model(inputs, out)
     return model
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _fit(model, x, mode=None, lr=0.0):
@@ -202,7 +199,7 @@ def test_mask_per_replica():
 def _one_fit(strategy, cls, **kwargs):
     keras.utils.set_random_seed(7)
     x = _data(seed=5)
-    with strategy.scope() if strategy else _nothing():
+    with _scope(strategy):
         model = keras.Sequential(
             [
                 keras.Input((C,)),
@@ -222,31 +219,36 @@ def _keras_fit():
 
 _SYNC = (kd.layers.SyncBatchNormalization, {})
 _SYNCHRONIZED = (kd.layers.BatchNormalization, {"synchronized": True})
+_STRATEGIES = {
+    "none": lambda: None,
+    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
+    "mirrored8": lambda: mirrored(8),
+}
 
 
 @pytest.mark.parametrize(
     ("layer", "strategy"),
-    [(_SYNC, None), (_SYNC, "one_device"), (_SYNC, 8), (_SYNCHRONIZED, 8)],
-    ids=["sync-none", "sync-one_device", "sync-8", "synchronized=True-8"],
+    [
+        (_SYNC, "none"),
+        (_SYNC, "one_device"),
+        (_SYNC, "mirrored8"),
+        (_SYNCHRONIZED, "mirrored8"),
+    ],
+    ids=["sync-none", "sync-one_device", "sync-mirrored8", "synchronized-mirrored8"],
 )
 def test_sync_layer_equals_keras_and_one_device(layer, strategy):
     cls, kwargs = layer
-    strategy = {None: None, "one_device": kd.OneDeviceStrategy("cpu:0")}.get(
-        strategy, mirrored(8) if strategy == 8 else None
-    )
-    got = _one_fit(strategy, cls, **kwargs)
+    got = _one_fit(_STRATEGIES[strategy](), cls, **kwargs)
     for got_weight, want in zip(got, _keras_fit(), strict=True):
         np.testing.assert_allclose(got_weight, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", [None, "one_device"])
+@pytest.mark.parametrize("strategy", ["none", "one_device"])
 def test_per_replica_layer_is_keras_on_one_replica(strategy):
-    strategy = kd.OneDeviceStrategy("cpu:0") if strategy else None
-    keras_weights = _one_fit(strategy, keras.layers.BatchNormalization)
-    for got, want in zip(
-        _one_fit(strategy, kd.layers.BatchNormalization), keras_weights, strict=True
-    ):
-        np.testing.assert_array_equal(got, want)
+    keras_weights = _one_fit(_STRATEGIES[strategy](), keras.layers.BatchNormalization)
+    got = _one_fit(_STRATEGIES[strategy](), kd.layers.BatchNormalization)
+    for got_weight, want in zip(got, keras_weights, strict=True):
+        np.testing.assert_array_equal(got_weight, want)
 
 
 def _run_steps(strategy, layer, x):
@@ -368,3 +370,25 @@ def test_fit_gradients_flow_through_each_replicas_moments():
         np.testing.assert_allclose(got[index], reference[index], rtol=1e-5, atol=1e-5)
     keras_weights = _keras_fit()
     assert not np.allclose(got[2], keras_weights[2], rtol=1e-3)
+
+
+class _Flattened(keras.layers.Layer):
+    """Applies its layer to the rows of every time step at once (n * T rows)."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.layer = layer
+
+    def call(self, x, training=None):
+        flat = keras.ops.reshape(x, (-1, x.shape[-1]))
+        return keras.ops.reshape(self.layer(flat, training=training), x.shape)
+
+
+def test_rows_that_are_not_the_batch_are_refused():
+    model = _model(mirrored(2), _Flattened(_bn(name="bn")), shape=(3, C))
+    with pytest.raises(
+        ValueError,
+        match=r"\(10 real rows over 2 replicas\).*Received: inputs of shape "
+        r"\(30, 5\) in layer 'bn'\. Use `kd.layers.SyncBatchNormalization`",
+    ):
+        _fit(model, _data((N, 3, C)))
