@@ -6,7 +6,10 @@ Every fit/evaluate/predict option a Keras user has — execution modes
 callbacks that stop training, `*_on_batch`, Python generators — on 37 rows in
 global batches of 10 (a partial last batch of 7 that splits over 8 replicas
 only with padding), with BatchNormalization. The reference is plain Keras in
-the same mode.
+the same mode. `steps_per_execution`, `class_weight`, `sample_weight`,
+`validation_freq` and `initial_epoch` are also run under every strategy
+(OneDevice, Mirrored, ParameterServer, FSDP, ZeRO-1, MultiWorkerMirrored in
+one process, CentralStorage).
 """
 
 import functools
@@ -64,7 +67,8 @@ class _nullscope:
 def _run(strategy, mode, fit_kwargs, *, weights):
     model = _model(strategy, mode, weights)
     keras.utils.set_random_seed(3)  # Same shuffling in both runs.
-    history = model.fit(X, Y, batch_size=B, epochs=2, verbose=0, **fit_kwargs)
+    fit_kwargs = {"epochs": 2, **fit_kwargs}
+    history = model.fit(X, Y, batch_size=B, verbose=0, **fit_kwargs)
     evaluation = model.evaluate(XV, YV, batch_size=8, verbose=0, return_dict=True)
     predictions = model.predict(X[:5], batch_size=8, verbose=0)
     return model, history.history, evaluation, predictions
@@ -77,6 +81,32 @@ def _weights():
 
 def _strategies():
     return {"one_device": kd.OneDeviceStrategy("cpu:0"), "mirrored8": mirrored(8)}
+
+
+EVERY_STRATEGY = {
+    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
+    "mirrored8": lambda: mirrored(8),
+    "parameter_server": lambda: kd.ParameterServerStrategy(
+        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
+    ),
+    "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
+    "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
+    "multi_worker": lambda: kd.MultiWorkerMirroredStrategy(),
+}
+if hasattr(kd, "CentralStorageStrategy"):
+    EVERY_STRATEGY["central_storage"] = lambda: kd.CentralStorageStrategy()
+# What would make MultiWorkerMirroredStrategy join a cluster.
+CLUSTER_VARS = (
+    "TF_CONFIG",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "KERAS_DIST_COORDINATOR",
+    "KERAS_DIST_NUM_PROCESSES",
+    "KERAS_DIST_PROCESS_ID",
+)
 
 
 @functools.cache
@@ -113,6 +143,7 @@ def test_every_execution_mode_equals_keras(mode, which):
         np.testing.assert_allclose(got[2], predictions, rtol=1e-5, atol=1e-6)
 
 
+ONLY_MIRRORED = ["shuffle=batch", "shuffle=True", "validation_split"]
 OPTIONS = {
     "class_weight": {"class_weight": {0: 0.5, 1: 2.0, 2: 1.0}},
     "sample_weight": {"sample_weight": SW},
@@ -124,13 +155,58 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("option", ONLY_MIRRORED)
 def test_fit_options_equal_keras(option):
     weights = _weights()
     ref = _run(None, {}, OPTIONS[option], weights=weights)
     got = _run(mirrored(8), {}, OPTIONS[option], weights=weights)
     assert_history_close(ref[1], got[1])
     assert_weights_close(ref[0].get_weights(), got[0].get_weights())
+
+
+# Two runs per strategy cover the five options (class_weight and
+# sample_weight exclude each other): steps_per_execution=3 (executions of 3
+# steps and 1), validation every 2nd epoch, and 2 epochs from initial_epoch=1.
+COMBINED = {
+    "steps_per_execution,class_weight,validation_freq,initial_epoch": (
+        {"steps_per_execution": 3},
+        {
+            **OPTIONS["class_weight"],
+            **OPTIONS["validation_freq"],
+            "initial_epoch": 1,
+            "epochs": 3,
+        },
+    ),
+    "steps_per_execution,sample_weight": (
+        {"steps_per_execution": 3},
+        OPTIONS["sample_weight"],
+    ),
+}
+
+
+@functools.cache
+def _keras_with(options: str):
+    mode, fit_kwargs = COMBINED[options]
+    model, *results = _run(None, mode, fit_kwargs, weights=_weights())
+    return model.get_weights(), *results
+
+
+@pytest.mark.parametrize("options", list(COMBINED))
+@pytest.mark.parametrize("which", list(EVERY_STRATEGY))
+def test_fit_options_equal_keras_under_every_strategy(which, options, monkeypatch):
+    for name in CLUSTER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    mode, fit_kwargs = COMBINED[options]
+    model, history, evaluation, predictions = _run(
+        EVERY_STRATEGY[which](), mode, fit_kwargs, weights=_weights()
+    )
+    ref_weights, ref_history, ref_evaluation, ref_predictions = _keras_with(options)
+    if "initial_epoch" in fit_kwargs:
+        assert len(history["loss"]) == 2 and len(history["val_loss"]) == 1
+    assert_history_close(ref_history, history)
+    assert_weights_close(ref_weights, model.get_weights())
+    assert evaluation == pytest.approx(ref_evaluation, rel=1e-5, abs=1e-6)
+    np.testing.assert_allclose(predictions, ref_predictions, rtol=1e-5, atol=1e-6)
 
 
 class _StopAt(keras.callbacks.Callback):
