@@ -22,8 +22,7 @@ from tests._helpers import mirrored
 from tests.conftest import REPLICA_COUNTS
 
 N, BATCH, C, MOMENTUM, EPS = 37, 10, 5, 0.5, 1e-3
-MODES = {
-    "jit": {},
+MODES = {  # jit (the default): every other test.
     "eager": {"run_eagerly": True},
     "no_jit_compile": {"jit_compile": False},
     "steps_per_execution": {"steps_per_execution": 3},
@@ -138,6 +137,25 @@ def test_fit_moving_statistics_are_the_mean_of_replica_moments(replicas):
     # Per-replica statistics differ from the global ones (the test has teeth).
     _, _, global_var = _reference(x, 1, GAMMA, BETA)
     assert not np.allclose(var, global_var, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda: kd.MirroredStrategy(
+            [f"cpu:{i}" for i in range(8)], shard_variables=True
+        ),
+        lambda: kd.CentralStorageStrategy([f"cpu:{i}" for i in range(4)]),
+    ],
+    ids=["fsdp8", "central_storage4"],
+)
+def test_split_and_host_state_strategies(strategy):
+    strategy = strategy()
+    x = _data(seed=9)
+    _fit(_model(strategy, layer := _bn()), x)
+    _, mean, var = _reference(x, strategy.num_replicas_in_sync, GAMMA, BETA)
+    np.testing.assert_allclose(_moving(layer)[0], mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_moving(layer)[1], var, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("replicas", REPLICA_COUNTS)
