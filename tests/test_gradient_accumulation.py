@@ -3,11 +3,11 @@
 Accumulation 2 at batch 16 gives the weights, `optimizer.iterations` and
 learning rates of batch 32 without accumulation (64 rows: a multiple of 32),
 with and without learning-rate schedules, for SGD, Adam and AdamW (weight
-decay, clipping) and EMA, on one device, 8 replicas, FSDP and ZeRO-1, in
-every execution mode. Plain Keras (no strategy) runs a schedule per
-micro-step and ends far from batch 32. With a partial last micro-batch and
-with BatchNormalization (which sees micro-batches), the reference is plain
-Keras with the same accumulation and no schedule.
+decay, clipping) and EMA, on one device, 8 replicas, FSDP, ZeRO-1 and
+ParameterServerStrategy, in every execution mode. Plain Keras (no strategy)
+runs a schedule per micro-step and ends far from batch 32. With a partial
+last micro-batch and with BatchNormalization (which sees micro-batches), the
+reference is plain Keras with the same accumulation and no schedule.
 """
 
 import contextlib
@@ -55,6 +55,9 @@ STRATEGIES = {
     "mirrored8": lambda: mirrored(8),
     "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
     "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
+    "parameter_server": lambda: kd.ParameterServerStrategy(
+        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
+    ),
 }
 MODES = {
     "jit": {},
@@ -109,8 +112,16 @@ def test_accumulating_2_batches_of_16_equals_batch_32(name):
     _assert_equals_batch_32(net, history, name)
 
 
-@pytest.mark.parametrize("name", ["sgd_schedule", "adam"])
-@pytest.mark.parametrize("which", ["fsdp", "zero1"])
+@pytest.mark.parametrize(
+    ("which", "name"),
+    [
+        ("fsdp", "sgd_schedule"),
+        ("fsdp", "adam"),
+        ("zero1", "sgd_schedule"),
+        ("zero1", "adam"),
+        ("parameter_server", "adamw_schedule_clip"),
+    ],
+)
 def test_accumulation_with_split_state_equals_batch_32(which, name):
     net, history = _fit(STRATEGIES[which](), OPTIMIZERS[name](2), batch=16)
     _assert_equals_batch_32(net, history, name)
@@ -158,7 +169,7 @@ def test_the_update_is_computed_once_per_n_micro_batches():
     assert counts == {"none": 8, "mirrored8": 4}
 
 
-@pytest.mark.parametrize("which", ["zero1", "fsdp", "mirrored8"])
+@pytest.mark.parametrize("which", ["zero1", "fsdp", "parameter_server", "mirrored8"])
 def test_accumulators_are_laid_out_like_optimizer_state(which):
     with STRATEGIES[which]().scope():
         net = make_model()
