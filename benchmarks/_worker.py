@@ -17,22 +17,17 @@ batch for 1 + REPEATS epochs of STEPS steps; the first epoch (compilation) is
 not timed. Prints `RESULT {json}` with the ms/step of each timed epoch.
 """
 
-import json
 import os
 import resource
 import sys
 import time
 
+from _runs import force_host_devices, print_result
+
 CONFIG, MODEL = sys.argv[1], sys.argv[2]
 DEVICES, STEPS, REPEATS, BATCH = (int(v) for v in sys.argv[3:7])
-PLATFORM = os.environ.get("KD_BENCH_PLATFORM", "cpu")
-
-if PLATFORM == "cpu":
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
+PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
@@ -276,7 +271,7 @@ def main():
             k: report[k]
             for k in ("compile_seconds", "input_ms_per_step", "input_fraction")
         }
-    print("RESULT " + json.dumps(result), flush=True)
+    print_result(result)
 
 
 if __name__ == "__main__":

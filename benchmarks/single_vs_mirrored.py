@@ -23,12 +23,11 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import os
 import pathlib
 import platform
-import statistics
-import subprocess
-import sys
+
+from _runs import fmt as _fmt
+from _runs import machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = "ABCDEF"
@@ -76,31 +75,16 @@ def _tf_installed() -> bool:
 
 def run_config(config, model, devices, args) -> dict:
     batch = BATCH[model]
-    command = [sys.executable, str(HERE / "_worker.py"), config, model]
-    command += [str(devices), str(args.steps), str(args.repeats), str(batch)]
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["KD_BENCH_PLATFORM"] = args.platform
-    try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=args.timeout, env=env
-        )
-    except subprocess.TimeoutExpired:
-        return {
-            "config": config,
-            "model": model,
-            "devices": devices,
-            "error": "timeout",
-        }
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"config": config, "model": model, "devices": devices, "error": tail}
-    row = json.loads(lines[-1][len("RESULT ") :])
-    times = row["ms_per_step"]
-    row["ms_median"] = statistics.median(times)
-    row["ms_min"], row["ms_max"] = min(times), max(times)
-    row["steps_per_s"] = 1e3 / row["ms_median"]
-    row["examples_per_s"] = batch * row["steps_per_s"]
+    row = run_worker(
+        HERE / "_worker.py",
+        [config, model, devices, args.steps, args.repeats, batch],
+        timeout=args.timeout,
+        platform_name=args.platform,
+        ident={"config": config, "model": model, "devices": devices},
+    )
+    if "error" not in row:
+        row["steps_per_s"] = 1e3 / row["ms_median"]
+        row["examples_per_s"] = batch * row["steps_per_s"]
     return row
 
 
@@ -153,10 +137,6 @@ def analyse(rows: dict, scaling: list, models) -> dict:
         "efficiency": efficiency,
         "targets": targets,
     }
-
-
-def _fmt(value, digits=2):
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def markdown(payload: dict) -> str:
@@ -277,8 +257,7 @@ def main(argv=None) -> dict:
     payload = {
         "benchmark": "single_vs_mirrored",
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.platform} "
-        f"x {args.devices}" + (" (virtual devices)" if args.platform == "cpu" else ""),
+        "machine": machine(args.platform, args.devices),
         "python": platform.python_version(),
         "steps": args.steps,
         "repeats": args.repeats,

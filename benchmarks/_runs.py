@@ -1,0 +1,76 @@
+"""What the benchmarks share: one configuration in a fresh process, its timings.
+
+A benchmark script (`single_vs_mirrored.py`, `memory.py`) starts each
+configuration as a worker script in its own process (no compilation cache,
+no state carried from the previous one); the worker prints one line
+`RESULT {json}` with `ms_per_step`, the ms/step of each timed epoch.
+"""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+
+PLATFORM_ENV = "KD_BENCH_PLATFORM"
+
+
+def force_host_devices(count: int = 8) -> str:
+    """In a worker, before jax loads: `count` virtual devices on CPU.
+
+    Returns the platform the benchmark runs on (`KD_BENCH_PLATFORM`).
+    """
+    platform_name = os.environ.get(PLATFORM_ENV, "cpu")
+    if platform_name == "cpu":
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" not in flags:
+            flag = f"--xla_force_host_platform_device_count={count}"
+            os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    return platform_name
+
+
+def print_result(result: dict) -> None:
+    """In a worker: the one line the benchmark script reads."""
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_worker(
+    script, args: list, *, timeout: float, platform_name: str, ident: dict
+) -> dict:
+    """Runs `script args` in a fresh process; its RESULT, or `ident` + error.
+
+    The row gets the median, min and max of its `ms_per_step`.
+    """
+    command = [sys.executable, str(script), *(str(a) for a in args)]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env[PLATFORM_ENV] = platform_name
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {**ident, "error": "timeout"}
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {**ident, "error": tail}
+    row = json.loads(lines[-1][len("RESULT ") :])
+    times = row["ms_per_step"]
+    row["ms_median"] = statistics.median(times)
+    row["ms_min"], row["ms_max"] = min(times), max(times)
+    return row
+
+
+def machine(platform_name: str, devices: int) -> str:
+    """`x86_64, 2 cores, cpu x 8 (virtual devices)`."""
+    virtual = " (virtual devices)" if platform_name == "cpu" else ""
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {platform_name} "
+        f"x {devices}{virtual}"
+    )
+
+
+def fmt(value, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"

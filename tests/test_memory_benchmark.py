@@ -1,0 +1,43 @@
+"""benchmarks/memory.py runs every configuration and writes what it promises.
+
+The quick mode on a tiny GPT-2 (hidden 16, one layer), 2 steps per
+configuration, two configurations at a time: the JSON's numbers, not speed.
+"""
+
+import json
+
+import pytest
+
+from tests.test_docs import _run
+
+CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
+
+
+@pytest.mark.slow
+def test_memory_benchmark_quick_mode(tmp_path):
+    args = ["--quick", "--model", "tiny", "--steps", "2", "--repeats", "1"]
+    out = _run(["benchmarks/memory.py", *args, "--jobs", "2", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "memory.json").read_text())
+    rows = payload["rows"]
+    assert list(rows) == CONFIGS
+    for row in rows.values():
+        assert "error" not in row, row
+        assert len(row["ms_per_step"]) == 1 and row["ms_median"] > 0
+    # The same weights, data and Adam in every configuration: the same loss.
+    losses = [row["final_loss"] for row in rows.values()]
+    assert max(losses) - min(losses) <= 1e-4 * max(losses)
+    assert payload["analysis"]["max_loss_rel_diff"] <= 1e-4
+    mirrored = rows["mirrored"]
+    assert mirrored["state_bytes_per_device"] == mirrored["state_bytes"]
+    assert rows["fsdp"]["state_bytes_per_device"] < mirrored["state_bytes_per_device"]
+    assert rows["ps"]["state_bytes_per_device"] < mirrored["state_bytes_per_device"]
+    zero1 = rows["zero1"]
+    assert zero1["weight_bytes_per_device"] == mirrored["weight_bytes_per_device"]
+    assert zero1["optimizer_bytes_per_device"] < mirrored["optimizer_bytes_per_device"]
+    central = rows["central_storage"]
+    assert central["state_bytes_per_device"] == 0
+    assert central["host_bytes_per_device"] == mirrored["state_bytes"]
+    assert all(isinstance(t["pass"], bool) for t in payload["analysis"]["targets"])
+    assert "| target | value | result |" in out
+    assert (tmp_path / "memory.md").read_text().count("| central_storage |") == 1
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
