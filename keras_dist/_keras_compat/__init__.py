@@ -64,6 +64,11 @@ API cannot express are done here, on Keras's JAX trainer
    schedules see updates, not micro-steps
    (`keras_dist/training/_gradient_accumulation.py`).
 
+10. **Loss scaling in `strategy.run`** (`_optimizer.py`):
+    `LossScaleOptimizer.check_finite` refuses gradients that differ by
+    replica (each replica would decide alone to skip a step) with the fix,
+    `all_reduce("sum", grads)`, instead of a JAX error about manual axes.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -88,6 +93,7 @@ from keras_dist._keras_compat._input import (
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._optimizer import (
     _add_variable_from_reference,
+    _check_finite,
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
@@ -147,6 +153,11 @@ def seams() -> dict[str, Any]:
         getattr(base_optimizer, "BaseOptimizer", None),
         "_get_current_learning_rate",
         None,
+    )
+    from keras.src.optimizers import loss_scale_optimizer
+
+    found["LossScaleOptimizer.check_finite"] = getattr(
+        getattr(loss_scale_optimizer, "LossScaleOptimizer", None), "check_finite", None
     )
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     from keras.src.backend.jax.core import JaxVariable
@@ -238,6 +249,7 @@ def install() -> None:
         setattr(module.JAXTrainer, name, _step_builder(method))
     _install_state_memory()
     _install_accumulation()
+    _install_loss_scaling()
 
 
 def _install_state_memory() -> None:
@@ -258,6 +270,13 @@ def _install_accumulation() -> None:
         method = getattr(cls, name)
         _originals[f"{cls.__name__}.{name}"] = method
         setattr(cls, name, wrap(method))
+
+
+def _install_loss_scaling() -> None:
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+
+    _originals["LossScaleOptimizer.check_finite"] = LossScaleOptimizer.check_finite
+    LossScaleOptimizer.check_finite = _check_finite(LossScaleOptimizer.check_finite)
 
 
 def global_seed() -> int | None:

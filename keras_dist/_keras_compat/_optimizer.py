@@ -1,4 +1,4 @@
-"""Seam 5: optimizer state laid out by the strategy (ZeRO-1).
+"""Seams 5 and 10: optimizer state laid out by the strategy; loss scaling.
 
 Keras creates every optimizer slot (momentum, Adam's moments, gradient
 accumulators) with `BaseOptimizer.add_variable_from_reference`, which gives
@@ -7,6 +7,15 @@ asked, so a strategy cannot shard the slots of replicated weights there. This
 seam hands Keras's own method a view of the reference variable whose layout is
 the strategy's `_slot_layout(variable)` — everything else (name, shape, dtype,
 initializer) stays Keras's.
+
+Seam 10: `LossScaleOptimizer.stateless_apply` decides whether a step is
+skipped from the gradients it is given (`check_finite`). Inside
+`strategy.run`, gradients of the replicated weights are summed over the
+replicas by JAX, so the decision is the same on every replica (an overflow
+on one replica skips the step on all, as in tf.distribute). Gradients that
+differ by replica (of each replica's own copy of the weights, not reduced)
+would make each replica decide alone; Keras's `cond` then fails with a JAX
+type error about manual axes. The seam refuses them first and says the fix.
 """
 
 import functools
@@ -15,8 +24,9 @@ from collections.abc import Callable
 import keras
 
 from keras_dist.strategies._base import Strategy, strategy_of_variable
+from keras_dist.strategies._replica_context import in_replica_context, varies
 
-__all__ = ["_add_variable_from_reference", "_stateless_apply"]
+__all__ = ["_add_variable_from_reference", "_check_finite", "_stateless_apply"]
 
 
 class _WithLayout:
@@ -68,3 +78,31 @@ def _stateless_apply(method: Callable) -> Callable:
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+def _check_finite(method: Callable) -> Callable:
+    """Inside `strategy.run`: refuses gradients that differ by replica."""
+
+    @functools.wraps(method)
+    def wrapper(optimizer, grads):
+        if in_replica_context() is not None:
+            _check_same_on_every_replica(grads)
+        return method(optimizer, grads)
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper
+
+
+def _check_same_on_every_replica(grads) -> None:
+    for index, grad in enumerate(grads):
+        if grad is not None and varies(grad, unknown=False):
+            raise ValueError(
+                "LossScaleOptimizer inside `strategy.run` got gradients that "
+                "differ by replica: each replica would decide alone whether "
+                f"to skip the step. Received: grads[{index}] of shape "
+                f"{tuple(grad.shape)}, varying over the replicas. Sum them "
+                "over the replicas first, as tf.distribute does: "
+                '`grads = kd.get_replica_context().all_reduce("sum", grads)`; '
+                "or take `jax.grad` with respect to the weights `run` was "
+                "given (replicated), which JAX already sums."
+            )

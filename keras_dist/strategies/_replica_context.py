@@ -80,6 +80,34 @@ class ReplicaContext:
             lambda v: jax.lax.all_gather(v, AXIS, axis=axis, tiled=True), value
         )
 
+    def all_finite(self, value: Any) -> jax.Array:
+        """Whether every leaf of `value` is finite on every replica.
+
+        One boolean scalar, the same on every replica: an inf or NaN on any
+        replica makes it False everywhere (one `pmin` over the replicas), as
+        tf's `LossScaleOptimizer` decides to skip a step on all replicas when
+        one overflows. Use it to make a per-replica decision global, e.g. to
+        skip an update computed from per-replica values.
+
+        Example:
+
+        ```python
+        def step(weights, grads):  # inside strategy.run
+            ok = kd.get_replica_context().all_finite(grads)
+            return jax.tree.map(
+                lambda w, g: jnp.where(ok, w - 0.1 * g, w), weights, grads
+            )
+        ```
+
+        Args:
+            value: a pytree of arrays (integer and boolean leaves count as
+                finite; `None` leaves are ignored).
+
+        Returns:
+            A boolean scalar `jax.Array`, not varying over the replicas.
+        """
+        return all_replicas(finite(value))
+
     def example_mask(self, rows: int) -> jax.Array | None:
         """1 for this replica's real rows, 0 for padding; None when unpadded.
 
@@ -134,21 +162,38 @@ class _DefaultReplicaContext(ReplicaContext):
     def all_gather(self, value, axis=0):
         return value
 
+    def all_finite(self, value):
+        return finite(value)
+
     def __repr__(self) -> str:
         return "ReplicaContext(default, num_replicas_in_sync=1)"
 
 
-def varies(value) -> bool:
+def finite(value: Any) -> jax.Array:
+    """Whether every leaf of `value` is finite (on this replica)."""
+    flags = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(value)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
+
+
+def all_replicas(flag: jax.Array) -> jax.Array:
+    """`flag` (a boolean scalar traced in `run`) and-ed over the replicas."""
+    if not varies(flag):
+        return flag  # Already the same on every replica.
+    return jax.lax.pmin(flag.astype("int32"), AXIS).astype("bool")
+
+
+def varies(value, *, unknown: bool = True) -> bool:
     """Whether JAX knows `value` (traced in `run`) to differ between replicas.
 
-    Conservative: True when this JAX version does not say.
+    `unknown` when this JAX version does not say (by default True:
+    conservative for outputs of `run`).
     """
     aval = jax.typeof(value)
     mat = getattr(aval, "manual_axis_type", None)
     varying = getattr(mat, "varying", None)
     if varying is None:
         varying = getattr(aval, "vma", None)
-    return True if varying is None else AXIS in varying
+    return unknown if varying is None else AXIS in varying
 
 
 def get_replica_context() -> ReplicaContext | None:
