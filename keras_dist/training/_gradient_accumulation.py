@@ -36,14 +36,13 @@ of the N averaged), as in Keras; a layer that computes batch statistics
 import jax
 import jax.numpy as jnp
 import keras
-from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 
 __all__ = ["accumulates_under_strategy", "apply_accumulated", "schedule_step"]
 
 
-def accumulates_under_strategy(optimizer) -> bool:
+def accumulates_under_strategy(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether `optimizer` accumulates gradients and belongs to a strategy."""
     if not getattr(optimizer, "gradient_accumulation_steps", None):
         return False
@@ -53,12 +52,14 @@ def accumulates_under_strategy(optimizer) -> bool:
     return isinstance(keras.distribution.distribution(), Strategy)
 
 
-def schedule_step(optimizer):
+def schedule_step(optimizer: keras.optimizers.Optimizer):
     """The step a learning-rate schedule sees: updates made so far."""
     return optimizer.iterations
 
 
-def apply_accumulated(optimizer, grads, trainable_variables) -> None:
+def apply_accumulated(
+    optimizer: keras.optimizers.Optimizer, grads: list, trainable_variables: list
+) -> None:
     """Accumulates `grads`; on every N-th call, updates with their mean.
 
     Args:
@@ -77,7 +78,7 @@ def apply_accumulated(optimizer, grads, trainable_variables) -> None:
 
     def update(values, grads, sums):
         mapping = list(zip(state, values, strict=True))
-        with StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
             mean = [(g + s) / steps for g, s in zip(grads, sums, strict=True)]
             _keras_update(optimizer, mean, trainable_variables)
         new = [scope.get_current_value(v) for v in state]
