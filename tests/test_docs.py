@@ -106,3 +106,23 @@ def test_readme_keras_dist_run_command_trains_on_two_processes(tmp_path):
         "checkpoint",
         "ckpt_1.weights.h5",
     ]
+
+
+def _mixed_precision_blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Mixed precision\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_readme_mixed_precision_fit_runs():
+    out = _run(["-c", _mixed_precision_blocks()[0]])
+    assert out.strip().splitlines()[-1] == "LossScaleOptimizer 32768.0"
+
+
+def test_readme_mixed_precision_custom_loop_skips_on_every_replica():
+    out = _run(["-c", _mixed_precision_blocks()[1]])
+    assert out.strip().splitlines()[-3:] == [
+        "finite True, loss scale 32768.0",
+        "finite False, loss scale 16384.0",
+        "finite True, loss scale 16384.0",
+    ]
