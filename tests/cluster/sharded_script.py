@@ -4,8 +4,8 @@ ParameterServerStrategy (FixedShardsPartitioner(8)) and
 MultiWorkerMirroredStrategy with `shard_variables` (FSDP) and
 `shard_optimizer_state` (ZeRO-1) over 2 processes x 4 devices: the split
 variables have parts on both processes. Writes `result_<rank>.json`: the
-`_workload` numbers (compared with one device by the test) and the shapes of
-the parts each process holds.
+`_workload` numbers and a keras-hub GPT-2's (compared with one device by the
+test) and the shapes of the parts each process holds.
 """
 
 import json
@@ -33,11 +33,23 @@ built = {name: make() for name, make in STRATEGIES.items()}
 
 import jax  # noqa: E402
 
+from tests import _models  # noqa: E402
 from tests._helpers import build_in_scope, initial_weights  # noqa: E402
 from tests.cluster import _workload  # noqa: E402
 
 workdir = sys.argv[1]
 rank = jax.process_index()
+
+
+def gpt2_run(strategy) -> dict:
+    """The keras-hub GPT-2 of the 8-device acceptance test, on 2 x 4 devices."""
+    model, history, evaluated, predicted = _models.run_case("gpt2", strategy)
+    return {
+        "history": history,
+        "weights": [w.tolist() for w in model.get_weights()],
+        "evaluate": evaluated,
+        "predict": predicted.tolist(),
+    }
 
 
 def parts(strategy) -> dict:
@@ -62,6 +74,7 @@ for name, strategy in built.items():
         "num_processes": strategy.num_processes,
         "parts": parts(strategy),
         "fit": _workload.fit_run(strategy, checkpoints),
+        "gpt2": gpt2_run(strategy),
     }
 results["fsdp"]["loop"] = _workload.custom_loop_run(built["fsdp"])
 with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:

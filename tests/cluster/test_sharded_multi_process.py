@@ -4,7 +4,8 @@ FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
 `ParameterServerStrategy` split variables and slots over all 8 devices, so
 each variable has parts on both processes: fit (NumPy, PyDataset, tf.data),
 evaluate, predict, ModelCheckpoint (every process takes part in the gather,
-the chief writes) and a custom loop must give the one-device numbers.
+the chief writes), a keras-hub GPT-2 and a custom loop must give the
+one-device numbers.
 """
 
 import functools
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests import _models
 from tests._helpers import assert_history_close, assert_weights_close
 from tests.cluster import _workload
 from tests.cluster.test_multi_worker import launch
@@ -93,6 +95,25 @@ def test_chief_writes_loadable_checkpoints_of_split_variables(cluster, name):
     model.load_weights(workdir / name / "ckpt_2.weights.h5")
     assert_weights_close(results[0][name]["fit"]["weights"], model.get_weights())
     assert isinstance(model, keras.Model)
+
+
+@functools.cache
+def gpt2_reference():
+    return _models.run_case("gpt2", kd.OneDeviceStrategy("cpu:0"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_keras_hub_transformer_matches_one_device(cluster, name):
+    """GPT-2 (keras-hub) with its weights split over both processes."""
+    _, results = cluster
+    model, history, evaluated, predicted = gpt2_reference()
+    atol = _models.MODELS["gpt2"].atol
+    for result in results:
+        got = result[name]["gpt2"]
+        assert_history_close(history, got["history"], atol=atol)
+        np.testing.assert_allclose(got["evaluate"], evaluated, rtol=1e-5, atol=atol)
+        np.testing.assert_allclose(got["predict"], predicted, rtol=1e-5, atol=atol)
+        assert_weights_close(model.get_weights(), got["weights"], atol=atol)
 
 
 def test_custom_loop_with_split_weights_matches_one_device(cluster):
