@@ -1,6 +1,7 @@
 """Loss scaling in a custom loop: an overflow on one replica skips the step on all.
 
-mixed_float16, a LossScaleOptimizer and `strategy.run` on 8 replicas. Three
+mixed_float16, a LossScaleOptimizer and `strategy.run` on 8 replicas
+(Mirrored, ParameterServer, FSDP, ZeRO-1, CentralStorage). Three
 global batches of 16 rows (2 per replica): finite, then one whose rows on
 replica 3 only are inf, then finite. The step on the second batch must be
 skipped on every replica (weights unchanged everywhere, the scale halved
@@ -20,16 +21,13 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from tests._helpers import mirrored
 from tests.strategies._mixed_precision import (
+    DISTRIBUTED,
+    STRATEGIES,
     float32_policy_after,  # noqa: F401 (autouse fixture)
 )
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-STRATEGIES = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "mirrored": lambda: mirrored(8),
-}
 
 
 def _batches():
@@ -139,10 +137,13 @@ def _same_on_every_replica(value):
     return value
 
 
-@pytest.mark.parametrize("gradients", ["summed", "all_reduced"])
-def test_an_overflow_on_one_replica_skips_the_step_on_all(gradients):
+@pytest.mark.parametrize(
+    "name, gradients",
+    [(name, "summed") for name in DISTRIBUTED] + [("mirrored", "all_reduced")],
+)
+def test_an_overflow_on_one_replica_skips_the_step_on_all(name, gradients):
     one = _train("one_device", gradients)
-    eight = _train("mirrored", gradients)
+    eight = _train(name, gradients)
     for states in (one, eight):
         (w1, s1, c1), (w2, s2, c2), (w3, s3, c3) = states
         assert (s1, c1) == (2.0**10, 1)  # Finite: applied.
@@ -168,7 +169,7 @@ def test_gradients_that_differ_by_replica_are_refused_with_the_fix():
 
 
 def test_all_finite_is_one_decision_for_all_replicas():
-    strategy = mirrored(8)
+    strategy = STRATEGIES["mirrored"]()
     (x, _), (bad, _), _ = list(strategy.experimental_distribute_dataset(_batches()))
 
     def check(x):
