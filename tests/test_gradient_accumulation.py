@@ -246,3 +246,44 @@ def test_batch_normalization_sees_micro_batches():
         )
         > 1e-3
     )
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Raises after `micro_steps` micro-batches (as a crash would)."""
+
+    def __init__(self, micro_steps: int):
+        super().__init__()
+        self.micro_steps, self.seen = micro_steps, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.micro_steps:
+            raise RuntimeError(f"stopped after {self.seen}")
+
+
+@pytest.mark.parametrize("name", ["one_device", "zero1"])
+def test_backup_and_restore_resumes_between_micro_batches(tmp_path, name):
+    """Stopped after micro-batch 5 (one gradient accumulated, 2 updates made),
+    resumed from the backup: the accumulators come back, the end is exact."""
+    optimizer = OPTIMIZERS["sgd_schedule"]
+    expected, _ = _fit(STRATEGIES[name](), optimizer(2), batch=16)
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="stopped after 5"):
+        _fit(
+            STRATEGIES[name](),
+            optimizer(2),
+            batch=16,
+            callbacks=[
+                kd.callbacks.BackupAndRestore(backup, save_freq=1),
+                _StopAfter(5),
+            ],
+        )
+    net, _ = _fit(
+        STRATEGIES[name](),
+        optimizer(2),
+        batch=16,
+        callbacks=[kd.callbacks.BackupAndRestore(backup, save_freq=1)],
+    )
+    assert _iterations(net) == _iterations(expected) == 4
+    for a, b in zip(expected.get_weights(), net.get_weights(), strict=True):
+        np.testing.assert_array_equal(b, a)

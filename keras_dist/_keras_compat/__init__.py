@@ -77,6 +77,7 @@ keras_dist strategy involved, every wrapped function behaves as Keras's own.
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_dist._keras_compat._accumulation import (
     _backend_apply_gradients,
@@ -297,3 +298,12 @@ def sync_state(model) -> None:
         model, "_jax_state_synced", True
     ):
         model.jax_state_sync()
+
+
+def step_counter(optimizer) -> int:
+    """How many times `optimizer` was applied (micro-batches under accumulation).
+
+    `optimizer.iterations` counts updates: with `gradient_accumulation_steps`
+    it is `_iterations // N`, an array, and repeats over N micro-batches.
+    """
+    return int(np.asarray(optimizer._iterations.value))

@@ -7,10 +7,9 @@ import threading
 
 import jax
 import keras
-import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import sync_state
+from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
@@ -108,7 +107,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         call = _call.active()
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         self._restore(call)
-        self._global_step = int(np.asarray(self.model.optimizer.iterations.value))
+        self._global_step = step_counter(self.model.optimizer)
         self._install_sigterm_handler()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._release)
@@ -178,7 +177,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = strategy_of_model(self.model)
         self._store.save(
             self.model,
-            int(np.asarray(self.model.optimizer.iterations.value)),
+            step_counter(self.model.optimizer),
             {
                 "epoch": int(epoch),
                 "step": int(step),
