@@ -18,7 +18,7 @@ with PASS/MISS for: every loss equals one device's to 1e-4 (relative), FSDP
 and ParameterServer hold <= 1/4 of Mirrored's state per device. Writes
 `memory.{json,md,png}` to `--out`.
 
-    python benchmarks/memory.py --quick      # GPT-2 hidden 128, 2 layers: < 90 s
+    python benchmarks/memory.py --quick      # GPT-2 hidden 128, 2 layers: ~80 s CPU
     python benchmarks/memory.py              # hidden 256, 4 layers, vocab 8192
 """
 
