@@ -36,7 +36,7 @@ def test_overflowing_float16_fit_matches_one_device(name):
     assert_matches_one_device(name, "float16_lso_overflow")
 
 
-@pytest.mark.parametrize("name", ["mirrored", "fsdp"])
+@pytest.mark.parametrize("name", DISTRIBUTED)
 def test_auto_scale_loss_matches_one_device(name):
     """compile(auto_scale_loss=True), Keras's default, wraps Adam in the scaler."""
     model, _, seen, _, _ = run("one_device", "float16_auto_scale_loss")
