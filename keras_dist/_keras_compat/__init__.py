@@ -305,5 +305,9 @@ def step_counter(optimizer) -> int:
 
     `optimizer.iterations` counts updates: with `gradient_accumulation_steps`
     it is `_iterations // N`, an array, and repeats over N micro-batches.
+    A `LossScaleOptimizer` counts in its inner optimizer (its own
+    `_iterations` never moves); a step it skipped is not counted.
     """
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     return int(np.asarray(optimizer._iterations.value))

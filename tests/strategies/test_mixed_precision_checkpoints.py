@@ -89,13 +89,16 @@ def test_backup_and_restore_resumes_the_loss_scale(tmp_path, capsys, name):
 
     Batch 7 overflows: skipped, `iterations` stays 3 as after batch 6, so the
     backup of batch 7 replaces the one of batch 6 (backups are numbered by
-    `iterations`); the resumed run must start from batch 7's halved scale.
+    applied steps, counted by the inner optimizer); the resumed run must
+    start from batch 7's halved scale.
     """
     backup = kd.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1)
     interrupted = build(STRATEGIES[name](), RUN)
     with pytest.raises(RuntimeError, match="interrupted after 7 batches"):
         fit(interrupted, 2, backup, _Interrupt(7))
     at_backup = scale_state(interrupted.optimizer)
+    # Numbered by applied steps (0,0,0,1,1,2,3,3): the newest two are kept.
+    assert sorted(int(d.name) for d in (tmp_path / "b").iterdir()) == [2, 3]
     resumed = build(STRATEGIES[name](), RUN)
     recorder = ScaleRecorder()
     history = fit(resumed, 2, kd.callbacks.BackupAndRestore(tmp_path / "b"), recorder)
