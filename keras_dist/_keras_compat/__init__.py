@@ -101,6 +101,7 @@ from keras_dist._keras_compat._state import originals as _originals
 from keras_dist._keras_compat._state_memory import variable_value
 from keras_dist._keras_compat._variables import (
     _assign,
+    _direct_assign,
     _initialize_with_initializer,
 )
 from keras_dist._version import __version__
@@ -163,7 +164,12 @@ def seams() -> dict[str, Any]:
     found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
     from keras.src.backend.jax.core import JaxVariable
 
-    for name in ("_initialize_with_initializer", "_initialize_layout", "assign"):
+    for name in (
+        "_initialize_with_initializer",
+        "_initialize_layout",
+        "assign",
+        "_direct_assign",
+    ):
         found[f"JaxVariable.{name}"] = getattr(JaxVariable, name, None)
     from keras.src.initializers import random_initializers
     from keras.src.random import seed_generator
@@ -236,6 +242,7 @@ def install() -> None:
     for name, wrap in (
         ("_initialize_with_initializer", _initialize_with_initializer),
         ("assign", _assign),
+        ("_direct_assign", _direct_assign),
     ):
         method = getattr(JaxVariable, name)  # `assign` is KerasVariable's.
         _originals[f"JaxVariable.{name}"] = method

@@ -155,3 +155,32 @@ def _assign(method: Callable) -> Callable:
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+def _direct_assign(method: Callable) -> Callable:
+    """A value laid out by a strategy keeps the strategy's `NamedSharding`.
+
+    Keras skips the layout of a value whose sharding is merely equivalent:
+    on a one-device mesh a value on that device stays a `SingleDeviceSharding`
+    array, while the compiled step returns `NamedSharding` arrays (another
+    abstract type for `jax.jit`): each step would compile again after every
+    eager assignment (initial values, metric resets).
+    """
+
+    @functools.wraps(method)
+    def wrapper(variable, value):
+        method(variable, value)
+        current = variable._value
+        if not isinstance(current, jax.Array) or isinstance(current, jax.core.Tracer):
+            return
+        if strategy_of_variable(variable) is None:
+            return
+        sharding = getattr(variable._layout, "backend_layout", variable._layout)
+        if (
+            isinstance(sharding, jax.sharding.NamedSharding)
+            and current.sharding != sharding
+        ):
+            variable._value = jax.device_put(current, sharding)
+
+    wrapper._keras_dist_wrapped = method
+    return wrapper

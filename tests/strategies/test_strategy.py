@@ -126,3 +126,21 @@ def test_batches_become_global_arrays_split_over_replicas(n):
         assert {s.data.shape[0] for s in dev.addressable_shards} == {32 // n}
         assert {s.device for s in dev.addressable_shards} == set(CPU[:n])
         np.testing.assert_array_equal(np.asarray(dev), host)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: kd.OneDeviceStrategy("cpu:0"), lambda: mirrored(8)],
+    ids=["one_device", "mirrored8"],
+)
+def test_fit_compiles_its_train_step_once(make, caplog):
+    """3 epochs (metrics reset each epoch), 40 rows in batches of 10: one
+    compilation, as plain Keras. On a one-device mesh a variable assigned
+    eagerly used to keep a single-device sharding while the step returns a
+    NamedSharding: two more compilations in every fit."""
+    x, y, _ = make_data(40)
+    model = build_in_scope(make(), initial_weights())
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        model.fit(x, y, batch_size=10, epochs=3, verbose=0)
+    compiled = [r for r in caplog.records if "Compiling jit(train_step)" in r.message]
+    assert len(compiled) == 1
