@@ -20,6 +20,7 @@ import pytest
 
 import keras_dist as kd
 from tests._helpers import assert_weights_close, make_data, make_model, mirrored
+from tests._strategies import pick
 
 X, Y, _ = make_data(64)
 SCHEDULES = {
@@ -50,15 +51,7 @@ OPTIMIZERS = {
         gradient_accumulation_steps=acc,
     ),
 }
-STRATEGIES = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "mirrored8": lambda: mirrored(8),
-    "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
-    "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-}
+STRATEGIES = pick("one_device", "mirrored", "fsdp", "zero1", "parameter_server")
 MODES = {
     "jit": {},
     "run_eagerly": {"run_eagerly": True},
@@ -130,8 +123,8 @@ def test_accumulation_with_split_state_equals_batch_32(which, name):
 @pytest.mark.parametrize(
     ("which", "mode"),
     [("one_device", mode) for mode in MODES]
-    # (mirrored8, jit): test_accumulating_2_batches_of_16_equals_batch_32.
-    + [("mirrored8", mode) for mode in MODES if mode != "jit"],
+    # (mirrored, jit): test_accumulating_2_batches_of_16_equals_batch_32.
+    + [("mirrored", mode) for mode in MODES if mode != "jit"],
 )
 def test_every_execution_mode(which, mode):
     net, history = _fit(
@@ -162,7 +155,7 @@ class _CountingSGD(keras.optimizers.SGD):
 
 def test_the_update_is_computed_once_per_n_micro_batches():
     counts = {}
-    for which in ("none", "mirrored8"):
+    for which in ("none", "mirrored"):
         _UPDATES.clear()
         strategy = None if which == "none" else mirrored(8)
         optimizer = _CountingSGD(gradient_accumulation_steps=2)
@@ -170,10 +163,10 @@ def test_the_update_is_computed_once_per_n_micro_batches():
         jax.effects_barrier()
         counts[which] = len(_UPDATES) // len(net.trainable_variables)
     # 8 micro-batches: Keras computes (and discards) 8 updates, keras_dist 4.
-    assert counts == {"none": 8, "mirrored8": 4}
+    assert counts == {"none": 8, "mirrored": 4}
 
 
-@pytest.mark.parametrize("which", ["zero1", "fsdp", "parameter_server", "mirrored8"])
+@pytest.mark.parametrize("which", ["zero1", "fsdp", "parameter_server", "mirrored"])
 def test_accumulators_are_laid_out_like_optimizer_state(which):
     with STRATEGIES[which]().scope():
         net = make_model()
@@ -185,7 +178,7 @@ def test_accumulators_are_laid_out_like_optimizer_state(which):
         shards = [s.data.shape for s in accumulator.value.addressable_shards]
         assert shards == [s.data.shape for s in momentum.value.addressable_shards]
     kernel = [s.data.shape for s in accumulators[0].value.addressable_shards]
-    assert kernel == [(6, 16) if which == "mirrored8" else (6, 2)] * 8
+    assert kernel == [(6, 16) if which == "mirrored" else (6, 2)] * 8
 
 
 def test_learning_rate_callbacks_see_updates():

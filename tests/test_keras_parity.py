@@ -28,6 +28,7 @@ from tests._helpers import (
     make_model,
     mirrored,
 )
+from tests._strategies import pick
 
 X, Y, SW = make_data(37)
 XV, YV, _ = make_data(13, seed=1)
@@ -84,17 +85,10 @@ def _strategies():
 
 
 EVERY_STRATEGY = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "mirrored8": lambda: mirrored(8),
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-    "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
-    "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
+    **pick("one_device", "mirrored", "parameter_server", "fsdp", "zero1"),
     "multi_worker": lambda: kd.MultiWorkerMirroredStrategy(),
+    **pick("central_storage"),
 }
-if hasattr(kd, "CentralStorageStrategy"):
-    EVERY_STRATEGY["central_storage"] = lambda: kd.CentralStorageStrategy()
 # What would make MultiWorkerMirroredStrategy join a cluster.
 CLUSTER_VARS = (
     "TF_CONFIG",

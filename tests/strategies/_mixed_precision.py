@@ -23,21 +23,13 @@ import keras
 import numpy as np
 import pytest
 
-import keras_dist as kd
-from tests._helpers import initial_weights, make_data, make_model, mirrored
+from tests._helpers import initial_weights, make_data, make_model
+from tests._strategies import pick
 
 MODEL = {"batch_norm": True}
-STRATEGIES = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "mirrored": lambda: mirrored(8),
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-    "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
-    "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
-}
-if hasattr(kd, "CentralStorageStrategy"):
-    STRATEGIES["central_storage"] = lambda: kd.CentralStorageStrategy()
+STRATEGIES = pick(
+    "one_device", "mirrored", "parameter_server", "fsdp", "zero1", "central_storage"
+)
 DISTRIBUTED = [name for name in STRATEGIES if name != "one_device"]
 
 # policy, optimizer: "lso" = an explicit LossScaleOptimizer, "auto" = the

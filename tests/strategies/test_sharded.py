@@ -24,22 +24,11 @@ from tests._helpers import (
     make_data,
     mirrored,
 )
+from tests._strategies import pick
 from tests.cluster import _workload
 
 MODEL = {"batch_norm": True}
-STRATEGIES = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-    "fsdp": lambda: kd.MirroredStrategy(
-        [f"cpu:{i}" for i in range(8)], shard_variables=True
-    ),
-    "mirrored": lambda: mirrored(8),
-    "zero1": lambda: kd.MirroredStrategy(
-        [f"cpu:{i}" for i in range(8)], shard_optimizer_state=True
-    ),
-}
+STRATEGIES = pick("one_device", "parameter_server", "fsdp", "mirrored", "zero1")
 SHARDED = ["parameter_server", "fsdp"]
 
 

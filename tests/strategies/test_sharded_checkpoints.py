@@ -24,18 +24,10 @@ from tests._helpers import (
     initial_weights,
     make_data,
     make_model,
-    mirrored,
 )
+from tests._strategies import pick
 
-STRATEGIES = {
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-    "fsdp": lambda: kd.MirroredStrategy(shard_variables=True),
-    "zero1": lambda: kd.MirroredStrategy(shard_optimizer_state=True),
-    "mirrored": lambda: mirrored(8),
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-}
+STRATEGIES = pick("parameter_server", "fsdp", "zero1", "mirrored", "one_device")
 SPLIT = ["parameter_server", "fsdp", "zero1"]
 X, Y, SW = make_data(37, seed=0)
 

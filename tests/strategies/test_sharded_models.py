@@ -31,26 +31,14 @@ import functools
 import numpy as np
 import pytest
 
-import keras_dist as kd
 from keras_dist.strategies._base import strategy_of_model
 from tests._helpers import (
     assert_history_close,
     assert_weights_close,
-    mirrored,
 )
 from tests._models import MODELS, run_case
+from tests._strategies import STRATEGIES
 
-EIGHT = [f"cpu:{i}" for i in range(8)]
-STRATEGIES = {
-    "one_device": lambda: kd.OneDeviceStrategy("cpu:0"),
-    "mirrored": lambda: mirrored(8),
-    "parameter_server": lambda: kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.FixedShardsPartitioner(8)
-    ),
-    "fsdp": lambda: kd.MirroredStrategy(EIGHT, shard_variables=True),
-    "zero1": lambda: kd.MirroredStrategy(EIGHT, shard_optimizer_state=True),
-    "central_storage": lambda: kd.CentralStorageStrategy(EIGHT),
-}
 SHARDED = ["parameter_server", "fsdp"]
 COMPARED = [n for n in STRATEGIES if n not in ("one_device", "mirrored")]
 
