@@ -74,6 +74,7 @@ keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
 """
 
+import importlib
 from typing import Any
 
 import keras
@@ -117,11 +118,76 @@ ENTRY_POINTS = (
 )
 STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
 
+_TRAINER = "keras.src.backend.jax.trainer"
+_CORE = "keras.src.backend.jax.core"
+_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
 
-def _trainer_module():
-    from keras.src.backend.jax import trainer
+# Every private Keras name keras_dist uses, as (module, "Owner.name" or
+# "name", wrap): `install()` replaces it with `wrap(original)` and keeps the
+# original in `_originals` under the same key; `wrap=None`: only read.
+_SEAMS: tuple = (
+    (_TRAINER, "jit", lambda original: _jit),
+    (_TRAINER, "_distribute_data", lambda original: _distribute_data),
+    (
+        _TRAINER,
+        "JAXEpochIterator._get_distributed_iterator",
+        lambda original: _get_distributed_iterator,
+    ),
+    # Inherited from EpochIterator: set on the JAX subclass only.
+    (
+        _TRAINER,
+        "JAXEpochIterator._enumerate_iterator",
+        lambda original: _enumerate_iterator,
+    ),
+    (_TRAINER, "JAXTrainer._make_function", lambda original: _make_function),
+    *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
+    *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
+    (_TRAINER, "JAXTrainer.jax_state_sync", None),
+    (
+        _BASE_OPTIMIZER,
+        "BaseOptimizer.add_variable_from_reference",
+        _add_variable_from_reference,
+    ),
+    (_BASE_OPTIMIZER, "BaseOptimizer.stateless_apply", _stateless_apply),
+    (
+        _BASE_OPTIMIZER,
+        "BaseOptimizer._get_current_learning_rate",
+        _get_current_learning_rate,
+    ),
+    (
+        "keras.src.backend.jax.optimizer",
+        "JaxOptimizer._backend_apply_gradients",
+        _backend_apply_gradients,
+    ),
+    (
+        "keras.src.optimizers.loss_scale_optimizer",
+        "LossScaleOptimizer.check_finite",
+        _check_finite,
+    ),
+    (_CORE, "JaxVariable._initialize_with_initializer", _initialize_with_initializer),
+    (_CORE, "JaxVariable._initialize_layout", None),
+    # `assign` is KerasVariable's: the wrapper is set on JaxVariable.
+    (_CORE, "JaxVariable.assign", _assign),
+    (_CORE, "JaxVariable._direct_assign", _direct_assign),
+    (_CORE, "JaxVariable.value", variable_value),
+    ("keras.src.backend.common.variables", "Variable.__array__", _array),
+    ("keras.src.initializers.random_initializers", "RandomInitializer", None),
+    ("keras.src.random.seed_generator", "draw_seed", None),
+    ("keras.src.utils.rng_utils", "get_random_seed", None),
+    ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
+)
 
-    return trainer
+
+def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:
+    """(owner, attribute, value) of `module.path`; value None if missing."""
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError:
+        return None, path, None
+    *owners, attribute = path.split(".")
+    for name in owners:
+        owner = getattr(owner, name, None)
+    return owner, attribute, getattr(owner, attribute, None)
 
 
 def seams() -> dict[str, Any]:
@@ -130,66 +196,7 @@ def seams() -> dict[str, Any]:
     Raises:
         ImportError: if a Keras release moved or removed one of them.
     """
-    module = _trainer_module()
-    found = {
-        "trainer.jit": getattr(module, "jit", None),
-        "trainer._distribute_data": getattr(module, "_distribute_data", None),
-        "trainer.JAXTrainer": getattr(module, "JAXTrainer", None),
-    }
-    iterator_cls = getattr(module, "JAXEpochIterator", None)
-    for name in ("_get_distributed_iterator", "_enumerate_iterator"):
-        found[f"trainer.JAXEpochIterator.{name}"] = getattr(iterator_cls, name, None)
-    from keras.src.optimizers import base_optimizer
-    from keras.src.utils import rng_utils
-
-    for name in ("add_variable_from_reference", "stateless_apply"):
-        found[f"BaseOptimizer.{name}"] = getattr(
-            getattr(base_optimizer, "BaseOptimizer", None), name, None
-        )
-    from keras.src.backend.jax.optimizer import JaxOptimizer
-
-    found["JaxOptimizer._backend_apply_gradients"] = getattr(
-        JaxOptimizer, "_backend_apply_gradients", None
-    )
-    found["BaseOptimizer._get_current_learning_rate"] = getattr(
-        getattr(base_optimizer, "BaseOptimizer", None),
-        "_get_current_learning_rate",
-        None,
-    )
-    from keras.src.optimizers import loss_scale_optimizer
-
-    found["LossScaleOptimizer.check_finite"] = getattr(
-        getattr(loss_scale_optimizer, "LossScaleOptimizer", None), "check_finite", None
-    )
-    found["rng_utils.get_random_seed"] = getattr(rng_utils, "get_random_seed", None)
-    from keras.src.backend.jax.core import JaxVariable
-
-    for name in (
-        "_initialize_with_initializer",
-        "_initialize_layout",
-        "assign",
-        "_direct_assign",
-    ):
-        found[f"JaxVariable.{name}"] = getattr(JaxVariable, name, None)
-    from keras.src.initializers import random_initializers
-    from keras.src.random import seed_generator
-
-    found["random_initializers.RandomInitializer"] = getattr(
-        random_initializers, "RandomInitializer", None
-    )
-    found["seed_generator.draw_seed"] = getattr(seed_generator, "draw_seed", None)
-    from keras.src.backend.common.variables import Variable as KerasVariable
-
-    found["KerasVariable.__array__"] = getattr(KerasVariable, "__array__", None)
-    from keras.src.utils import jax_utils
-
-    found["JaxVariable.value"] = getattr(JaxVariable, "value", None)
-    found["jax_utils.is_in_jax_tracing_scope"] = getattr(
-        jax_utils, "is_in_jax_tracing_scope", None
-    )
-    trainer_cls = found["trainer.JAXTrainer"]
-    for name in (*ENTRY_POINTS, *STEP_BUILDERS, "_make_function", "jax_state_sync"):
-        found[f"JAXTrainer.{name}"] = getattr(trainer_cls, name, None)
+    found = {path: _lookup(module, path)[2] for module, path, _ in _SEAMS}
     missing = [name for name, obj in found.items() if obj is None]
     if missing:
         raise ImportError(
@@ -205,86 +212,16 @@ def _version() -> str:
 
 
 def install() -> None:
-    """Installs the three seams described in the module docstring (idempotent)."""
+    """Installs the seams described in the module docstring (idempotent)."""
     if _originals:
         return
     seams()
-    module = _trainer_module()
-    _originals["jit"] = module.jit
-    _originals["_distribute_data"] = module._distribute_data
-    module.jit = _jit
-    module._distribute_data = _distribute_data
-    iterator_cls = module.JAXEpochIterator
-    _originals["_get_distributed_iterator"] = iterator_cls._get_distributed_iterator
-    iterator_cls._get_distributed_iterator = _get_distributed_iterator
-    # Inherited from EpochIterator: set on the JAX subclass only.
-    _originals["JAXEpochIterator._enumerate_iterator"] = (
-        iterator_cls._enumerate_iterator
-    )
-    iterator_cls._enumerate_iterator = _enumerate_iterator
-    _originals["JAXTrainer._make_function"] = module.JAXTrainer._make_function
-    module.JAXTrainer._make_function = _make_function
-    for name in ENTRY_POINTS:
-        method = getattr(module.JAXTrainer, name)
-        _originals[f"JAXTrainer.{name}"] = method
-        setattr(module.JAXTrainer, name, _entry_point(method))
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    for name, wrap in (
-        ("add_variable_from_reference", _add_variable_from_reference),
-        ("stateless_apply", _stateless_apply),
-    ):
-        method = getattr(BaseOptimizer, name)
-        _originals[f"BaseOptimizer.{name}"] = method
-        setattr(BaseOptimizer, name, wrap(method))
-    from keras.src.backend.jax.core import JaxVariable
-
-    for name, wrap in (
-        ("_initialize_with_initializer", _initialize_with_initializer),
-        ("assign", _assign),
-        ("_direct_assign", _direct_assign),
-    ):
-        method = getattr(JaxVariable, name)  # `assign` is KerasVariable's.
-        _originals[f"JaxVariable.{name}"] = method
-        setattr(JaxVariable, name, wrap(method))
-    from keras.src.backend.common.variables import Variable as KerasVariable
-
-    _originals["KerasVariable.__array__"] = KerasVariable.__array__
-    KerasVariable.__array__ = _array(KerasVariable.__array__)
-    for name in STEP_BUILDERS:
-        method = getattr(module.JAXTrainer, name)
-        _originals[f"JAXTrainer.{name}"] = method
-        setattr(module.JAXTrainer, name, _step_builder(method))
-    _install_state_memory()
-    _install_accumulation()
-    _install_loss_scaling()
-
-
-def _install_state_memory() -> None:
-    from keras.src.backend.jax.core import JaxVariable
-
-    _originals["JaxVariable.value"] = JaxVariable.value
-    JaxVariable.value = variable_value(JaxVariable.value)
-
-
-def _install_accumulation() -> None:
-    from keras.src.backend.jax.optimizer import JaxOptimizer
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
-
-    for cls, name, wrap in (
-        (JaxOptimizer, "_backend_apply_gradients", _backend_apply_gradients),
-        (BaseOptimizer, "_get_current_learning_rate", _get_current_learning_rate),
-    ):
-        method = getattr(cls, name)
-        _originals[f"{cls.__name__}.{name}"] = method
-        setattr(cls, name, wrap(method))
-
-
-def _install_loss_scaling() -> None:
-    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
-
-    _originals["LossScaleOptimizer.check_finite"] = LossScaleOptimizer.check_finite
-    LossScaleOptimizer.check_finite = _check_finite(LossScaleOptimizer.check_finite)
+    for module, path, wrap in _SEAMS:
+        if wrap is None:
+            continue
+        owner, attribute, original = _lookup(module, path)
+        _originals[path] = original
+        setattr(owner, attribute, wrap(original))
 
 
 def global_seed() -> int | None:

@@ -111,7 +111,9 @@ def _distribute_data(data, layouts=None):
 def _get_distributed_iterator(self, distribution):
     """Keras's per-pass batch iterator: one `InputPass` of the pipeline."""
     if not isinstance(distribution, Strategy):
-        return _originals["_get_distributed_iterator"](self, distribution)
+        return _originals["JAXEpochIterator._get_distributed_iterator"](
+            self, distribution
+        )
     adapter = self.data_adapter
     name = type(adapter).__name__
     return InputPass(
