@@ -1,11 +1,14 @@
 """Resolvers read from the environment: SLURM, keras-dist-run, and auto-detection."""
 
+import dataclasses
 import os
-import re
+
+import hostlist
 
 from keras_dist.cluster._resolver import (
     ClusterResolver,
     SimpleClusterResolver,
+    check_processes,
     parse_address,
 )
 from keras_dist.cluster._tf_config import TFConfigClusterResolver
@@ -22,27 +25,70 @@ LAUNCHER_VARS = (
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: `"node[003-005,9],gpu1"` -> `"node003"`."""
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
-        raise ClusterConfigError(f"Cannot read the SLURM node list {nodelist!r}.")
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    """The first host of a SLURM node list: `"node[003-005,9],gpu1"` -> `"node003"`.
+
+    Read with python-hostlist (SLURM's own syntax, as `scontrol show hostnames`).
+
+    Raises:
+        ClusterConfigError: for a node list it cannot read (e.g. `node[1-3`).
+    """
+    try:
+        hosts = hostlist.expand_hostlist(nodelist.strip())
+    except hostlist.BadHostlist as error:
+        hosts, reason = [], str(error)
+    else:
+        reason = "no host"
+    if not hosts or any(not host or "[" in host or "]" in host for host in hosts):
+        raise ClusterConfigError(
+            f"Cannot read the SLURM node list ({reason}). Received: "
+            f"{nodelist!r}. Expected SLURM's syntax, e.g. 'node[003-005,9],gpu1'; "
+            "check SLURM_STEP_NODELIST / SLURM_JOB_NODELIST."
+        )
+    return hosts[0]
 
 
-def SlurmClusterResolver(port: int | None = None) -> ClusterResolver:
+def port_from_environment() -> int:
+    """`$KERAS_DIST_PORT`, or 12345 when unset.
+
+    Raises:
+        ClusterConfigError: if it is not a port number in 1..65535.
+    """
+    text = os.environ.get("KERAS_DIST_PORT", "").strip()
+    if not text:
+        return DEFAULT_PORT
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ClusterConfigError(
+            "KERAS_DIST_PORT must be a port number in 1..65535. Received: "
+            f"KERAS_DIST_PORT={text!r}. Set it to a free port, e.g. "
+            f"KERAS_DIST_PORT={DEFAULT_PORT}, or unset it."
+        )
+    return int(text)
+
+
+class SlurmClusterResolver(ClusterResolver):
     """The cluster of a SLURM job step: one process per task.
 
     Reads `SLURM_PROCID`, `SLURM_NTASKS` and the node list; the coordinator is
-    the first node, on `port` (default `$KERAS_DIST_PORT` or 12345).
+    the first node, on `port` (default `$KERAS_DIST_PORT` or 12345). A
+    `ClusterResolver` (so `isinstance` and `dataclasses.replace` work).
+
+    Args:
+        port: the coordinator's port.
+        **fields: `ClusterResolver` fields, taken as they are instead of
+            reading the environment (as `dataclasses.replace` does).
 
     Raises:
-        ClusterConfigError: when not inside a SLURM job step or the values
-            are inconsistent.
+        ClusterConfigError: when not inside a SLURM job step, or the values
+            are inconsistent or unreadable.
     """
+
+    def __init__(self, port: int | None = None, **fields):
+        if "coordinator_address" not in fields:
+            fields = _slurm_fields(port)
+        super().__init__(**fields)
+
+
+def _slurm_fields(port: int | None) -> dict:
     env = os.environ
     try:
         process_id = int(env["SLURM_PROCID"])
@@ -61,11 +107,16 @@ def SlurmClusterResolver(port: int | None = None) -> ClusterResolver:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise ClusterConfigError("SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is not set.")
-    port = int(env.get("KERAS_DIST_PORT", DEFAULT_PORT)) if port is None else port
-    resolver = SimpleClusterResolver(
-        f"{first_host(nodelist)}:{port}", num_processes, process_id
-    )
-    return ClusterResolver(**{**resolver.__dict__, "source": "SLURM"})
+    port = port_from_environment() if port is None else port
+    address = f"{first_host(nodelist)}:{port}"
+    check_processes(address, num_processes, process_id)
+    return {
+        "coordinator_address": address,
+        "num_processes": num_processes,
+        "process_id": process_id,
+        "task_id": process_id,
+        "source": "SLURM",
+    }
 
 
 def _launcher_resolver() -> ClusterResolver:
@@ -81,7 +132,7 @@ def _launcher_resolver() -> ClusterResolver:
             f"The keras-dist-run variables {LAUNCHER_VARS} are incomplete or not "
             f"integers ({error})."
         ) from None
-    return ClusterResolver(**{**resolver.__dict__, "source": "keras-dist-run"})
+    return dataclasses.replace(resolver, source="keras-dist-run")
 
 
 def _jax_detected() -> bool:
@@ -120,7 +171,8 @@ def resolve(resolver: ClusterResolver | None = None) -> ClusterResolver:
     env = os.environ
     if env.get("TF_CONFIG"):
         return TFConfigClusterResolver()
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+    if "SLURM_PROCID" in env and (env.get("SLURM_NTASKS") or "1").strip() != "1":
+        # (A non-number SLURM_NTASKS is refused there, naming it.)
         return SlurmClusterResolver()
     if all(name in env for name in LAUNCHER_VARS):
         return _launcher_resolver()

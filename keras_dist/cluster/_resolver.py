@@ -5,7 +5,12 @@ import re
 
 from keras_dist.errors import ClusterConfigError
 
-__all__ = ["ClusterResolver", "SimpleClusterResolver", "parse_address"]
+__all__ = [
+    "ClusterResolver",
+    "SimpleClusterResolver",
+    "check_processes",
+    "parse_address",
+]
 
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[^:]+)$")
 
@@ -77,18 +82,11 @@ class ClusterResolver:
         )
 
 
-def SimpleClusterResolver(
-    coordinator_address: str, num_processes: int, process_id: int
-) -> ClusterResolver:
-    """A cluster given explicitly, like tf.distribute's `SimpleClusterResolver`.
-
-    Args:
-        coordinator_address: `"host:port"` of process 0.
-        num_processes: number of processes (>= 1).
-        process_id: this process's index in `0 ... num_processes - 1`.
+def check_processes(coordinator_address, num_processes, process_id) -> None:
+    """Refuses a bad address, process count or process index.
 
     Raises:
-        ClusterConfigError: for a bad address, count or index.
+        ClusterConfigError: naming the argument and the value received.
     """
     parse_address(coordinator_address, where="`coordinator_address`")
     if (
@@ -109,10 +107,26 @@ def SimpleClusterResolver(
             f"`process_id` must be in [0, {num_processes}). Received: "
             f"process_id={process_id!r}."
         )
-    return ClusterResolver(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        task_id=process_id,
-        source="explicit",
-    )
+
+
+class SimpleClusterResolver(ClusterResolver):
+    """A cluster given explicitly, like tf.distribute's `SimpleClusterResolver`.
+
+    A `ClusterResolver` (so `isinstance` and `dataclasses.replace` work).
+
+    Args:
+        coordinator_address: `"host:port"` of process 0.
+        num_processes: number of processes (>= 1).
+        process_id: this process's index in `0 ... num_processes - 1`.
+        **fields: other `ClusterResolver` fields (`dataclasses.replace`).
+
+    Raises:
+        ClusterConfigError: for a bad address, count or index.
+    """
+
+    def __init__(
+        self, coordinator_address: str, num_processes: int, process_id: int, **fields
+    ):
+        check_processes(coordinator_address, num_processes, process_id)
+        fields = {"task_id": process_id, "source": "explicit", **fields}
+        super().__init__(coordinator_address, num_processes, process_id, **fields)

@@ -11,12 +11,7 @@ __all__ = ["TFConfigClusterResolver"]
 ROLES = ("chief", "worker", "evaluator", "ps")
 
 
-def TFConfigClusterResolver(
-    task_type: str | None = None,
-    task_id: int | None = None,
-    *,
-    tf_config: "str | dict | None" = None,
-) -> ClusterResolver:
+class TFConfigClusterResolver(ClusterResolver):
     """Reads a tf.distribute cluster from TF_CONFIG.
 
     ```
@@ -26,19 +21,41 @@ def TFConfigClusterResolver(
 
     The JAX processes are the `chief` (if any) followed by the `worker`s; the
     chief — the `chief` task, else `worker` 0 — is process 0 and its address
-    is the coordinator. An `evaluator` is outside the training cluster
+    is the coordinator. A `ClusterResolver` (so `isinstance` and
+    `dataclasses.replace` work). An `evaluator` is outside the training cluster
     (`process_id=None`); `ps` tasks are listed but take no process.
 
     Args:
         task_type: overrides `task.type`.
         task_id: overrides `task.index`.
         tf_config: the JSON text or dict; defaults to `$TF_CONFIG`.
+        **fields: other `ClusterResolver` fields; given together with
+            `coordinator_address` (as `dataclasses.replace` does), they are
+            taken as they are instead of reading TF_CONFIG.
 
     Raises:
         ClusterConfigError: for invalid JSON, a missing `cluster` or `task`,
             an unknown task type, an index out of range, a bad or duplicate
             address — quoting the offending part.
     """
+
+    def __init__(
+        self,
+        task_type: str | None = None,
+        task_id: int | None = None,
+        *,
+        tf_config: "str | dict | None" = None,
+        **fields,
+    ):
+        if "coordinator_address" not in fields:
+            fields = _resolve(task_type, task_id, tf_config)
+        else:
+            fields.update(task_type=task_type, task_id=task_id)
+        super().__init__(**fields)
+
+
+def _resolve(task_type, task_id, tf_config) -> dict:
+    """The `ClusterResolver` fields TF_CONFIG describes."""
     config = _load(tf_config)
     cluster = config.get("cluster")
     if not isinstance(cluster, dict) or not cluster:
@@ -87,15 +104,15 @@ def TFConfigClusterResolver(
         if (task_type, task_id) in training
         else None
     )
-    return ClusterResolver(
-        coordinator_address=spec[first_type][first_id],
-        num_processes=len(training),
-        process_id=process_id,
-        task_type=task_type,
-        task_id=task_id,
-        source="TF_CONFIG",
-        cluster_spec=spec,
-    )
+    return {
+        "coordinator_address": spec[first_type][first_id],
+        "num_processes": len(training),
+        "process_id": process_id,
+        "task_type": task_type,
+        "task_id": task_id,
+        "source": "TF_CONFIG",
+        "cluster_spec": spec,
+    }
 
 
 def _load(tf_config) -> dict:
