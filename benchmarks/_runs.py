@@ -4,6 +4,7 @@ A benchmark script (`single_vs_mirrored.py`, `memory.py`) starts each
 configuration as a worker script in its own process (no compilation cache,
 no state carried from the previous one); the worker prints one line
 `RESULT {json}` with `ms_per_step`, the ms/step of each timed epoch.
+`combine_runs` merges several fresh processes of one configuration.
 """
 
 import json
@@ -60,6 +61,31 @@ def run_worker(
     times = row["ms_per_step"]
     row["ms_median"] = statistics.median(times)
     row["ms_min"], row["ms_max"] = min(times), max(times)
+    return row
+
+
+def combine_runs(runs: list) -> dict:
+    """One row from the rows of several fresh processes of one configuration.
+
+    Each process counts as one sample, the median of its timed epochs; the
+    row gets `ms_per_step` (one value per process, in run order), their
+    median, min and max, `runs` (the processes' own rows) and the first
+    error, if any process failed.
+    """
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return {**failed[0], "runs": runs}
+    times = [r["ms_median"] for r in runs]
+    row = {k: v for k, v in runs[0].items() if k not in ("ms_min", "ms_max")}
+    row.update(
+        ms_per_step=times,
+        ms_median=statistics.median(times),
+        ms_min=min(times),
+        ms_max=max(times),
+        first_epoch_s=statistics.median(r["first_epoch_s"] for r in runs),
+        peak_rss_mb=max(r["peak_rss_mb"] for r in runs),
+        runs=runs,
+    )
     return row
 
 

@@ -1,20 +1,28 @@
 """One benchmark configuration, run in a fresh process; prints one JSON line.
 
-    python benchmarks/_worker.py CONFIG MODEL DEVICES STEPS REPEATS GLOBAL_BATCH
+    python benchmarks/_worker.py CONFIG MODEL DEVICES STEPS EPOCHS GLOBAL_BATCH
 
 CONFIG is one of
-    A  Keras fit on one device (keras_dist OneDeviceStrategy)
-    B  keras_dist MirroredStrategy fit on DEVICES devices
-    C  Keras 3's keras.distribution.DataParallel fit on the same devices
-    D  TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
-       (DEVICES logical CPU devices, or the GPUs)
-    E  the limit: a hand-written jax.jit + optax step over the same mesh, the
-       data laid out on the devices ahead of time
-    F  keras_dist custom training loop (strategy.run) on the same mesh
+    A    Keras fit on one device (keras_dist OneDeviceStrategy)
+    B    keras_dist MirroredStrategy fit on DEVICES devices
+    B32  B compiled with steps_per_execution=32
+    C    Keras 3's keras.distribution.DataParallel on the same devices, used
+         as Keras documents it: model built, compiled and fit inside
+         `with distribution.scope():`
+    C0   the pitfall: the same DataParallel model built and compiled in the
+         scope, `fit` called outside it (Keras then trains without the
+         distribution; a keras_dist model remembers its strategy)
+    D    TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
+         (DEVICES logical CPU devices, or the GPUs)
+    E    the limit: a hand-written jax.jit + optax step over the same mesh,
+         the data laid out on the devices ahead of time
+    F    keras_dist custom training loop (strategy.run) on the same mesh
 
 Every configuration trains MODEL on the same synthetic data at the same global
-batch for 1 + REPEATS epochs of STEPS steps; the first epoch (compilation) is
-not timed. Prints `RESULT {json}` with the ms/step of each timed epoch.
+batch for 1 + EPOCHS epochs of STEPS steps; the first epoch (compilation) is
+not timed. Prints `RESULT {json}` with the ms/step of each timed epoch. JAX's
+default backend must be the benchmark's platform (`--platform`), with at
+least DEVICES devices: the worker exits with the reason otherwise.
 """
 
 import os
@@ -25,7 +33,7 @@ import time
 from _runs import force_host_devices, print_result
 
 CONFIG, MODEL = sys.argv[1], sys.argv[2]
-DEVICES, STEPS, REPEATS, BATCH = (int(v) for v in sys.argv[3:7])
+DEVICES, STEPS, EPOCHS, BATCH = (int(v) for v in sys.argv[3:7])
 PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
 
@@ -93,7 +101,7 @@ def fit_and_time(keras, model, x, y, extra_callbacks=()):
         x,
         y,
         batch_size=BATCH,
-        epochs=1 + REPEATS,
+        epochs=1 + EPOCHS,
         shuffle=False,
         verbose=0,
         callbacks=[timer, *extra_callbacks],
@@ -101,12 +109,27 @@ def fit_and_time(keras, model, x, y, extra_callbacks=()):
     return timer.seconds, float(history.history["loss"][-1])
 
 
-def compile_model(keras, model):
+def compile_model(keras, model, steps_per_execution=1):
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
     )
     return model
+
+
+def mesh_devices():
+    """The first DEVICES devices of the benchmark's platform, or exit saying why."""
+    import jax
+
+    backend, devices = jax.default_backend(), jax.devices()
+    if backend != PLATFORM or len(devices) < DEVICES:
+        sys.exit(
+            f"--platform {PLATFORM} --devices {DEVICES} is not available here. "
+            f"Received: JAX default backend {backend!r} with {len(devices)} "
+            "devices. Install JAX for that platform, or pass fewer --devices."
+        )
+    return devices[:DEVICES]
 
 
 def run_keras_fit():
@@ -115,20 +138,24 @@ def run_keras_fit():
     import keras_dist as kd
 
     x, y = make_data()
-    devices = kd.MirroredStrategy().devices[:DEVICES]
-    extra, report = (), None
+    devices = mesh_devices()
     if CONFIG == "A":
         strategy = kd.OneDeviceStrategy(devices[0])
-    elif CONFIG == "B":
+    elif CONFIG in ("B", "B32"):
         strategy = kd.MirroredStrategy(list(devices))
-    else:  # C: Keras's own data parallelism, no keras_dist involved.
+    else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
-    with strategy.scope():
-        model = compile_model(keras, set_initial_weights(make_model(keras, MODEL)))
-    if CONFIG in ("A", "B"):
+    report, extra = None, ()
+    if CONFIG not in ("C", "C0"):
         report = kd.utils.ScalingReport(print_summary=False)
         extra = (report,)
-    seconds, loss = fit_and_time(keras, model, x, y, extra)
+    with strategy.scope():
+        model = set_initial_weights(make_model(keras, MODEL))
+        compile_model(keras, model, 32 if CONFIG == "B32" else 1)
+        if CONFIG != "C0":
+            seconds, loss = fit_and_time(keras, model, x, y, extra)
+    if CONFIG == "C0":  # The pitfall: fit after the scope has closed.
+        seconds, loss = fit_and_time(keras, model, x, y, extra)
     return seconds, loss, report.result if report else None
 
 
@@ -163,7 +190,7 @@ def run_jax_loop():
 
     x, y = make_data()
     model = set_initial_weights(make_model(keras, MODEL))
-    devices = jax.devices()[:DEVICES]
+    devices = mesh_devices()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = optax.adam(1e-3)
     trainable = [v.value for v in model.trainable_variables]
@@ -243,7 +270,7 @@ def run_jax_loop():
             return jax.block_until_ready((loss, state))
 
     seconds = []
-    for _ in range(1 + REPEATS):
+    for _ in range(1 + EPOCHS):
         start = time.perf_counter()
         loss, state = epoch(state)
         seconds.append(time.perf_counter() - start)
@@ -251,7 +278,7 @@ def run_jax_loop():
 
 
 def main():
-    runner = {"A": run_keras_fit, "B": run_keras_fit, "C": run_keras_fit}
+    runner = dict.fromkeys(("A", "B", "B32", "C", "C0"), run_keras_fit)
     runner.update(D=run_tf_fit, E=run_jax_loop, F=run_jax_loop)
     seconds, loss, report = runner[CONFIG]()
     timed = seconds[1:]

@@ -3,12 +3,17 @@
 import json
 import os
 import tempfile
+import warnings
 
 import jax
 import keras
 
 from keras_dist.callbacks._chief import is_chief
-from keras_dist.callbacks._files import atomic_write, check_writable_dir
+from keras_dist.callbacks._files import (
+    atomic_write,
+    check_writable_dir,
+    remove_stale_temps,
+)
 from keras_dist.callbacks._lr_control import plain_learning_rate
 
 __all__ = ["ModelCheckpoint", "latest_checkpoint"]
@@ -27,6 +32,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - only the chief (process 0) writes; the other processes write nothing;
     - each file is written to a temporary name in the same directory, then
       renamed: a crash mid-write leaves the previous file intact;
+    - temporary files an interrupted earlier run left are removed when
+      training begins;
     - `max_to_keep` deletes the oldest checkpoints beyond that number;
     - a `checkpoint` file in the directory lists them, newest last, for
       `kd.callbacks.latest_checkpoint(directory)`;
@@ -83,6 +90,11 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             os.path.dirname(filepath) or ".", argument="filepath"
         )
         self._kept: list[str] = []
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if is_chief():  # Temporary files of writes an earlier run interrupted.
+            remove_stale_temps(self.directory)
 
     def _save_model(self, epoch, batch, logs):
         filepath = self._get_file_path(epoch, batch, logs)
@@ -142,20 +154,40 @@ def _write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=1)
 
 
+def _indexed_latest(state_path: str) -> str | None:
+    """The `latest` entry of a `checkpoint` index; None (with a warning if the
+    file exists but cannot be read) otherwise."""
+    if not os.path.exists(state_path):
+        return None
+    try:
+        with open(state_path) as f:
+            latest = json.load(f).get("latest")
+        if latest is not None and not isinstance(latest, str):
+            raise ValueError(f'"latest" is {latest!r}, not a file name')
+    except (OSError, ValueError, AttributeError) as error:
+        warnings.warn(
+            f"The checkpoint index {state_path} cannot be read ({error}); using "
+            "the newest checkpoint file in its directory instead. Delete the "
+            "index (ModelCheckpoint writes a new one at its next save).",
+            stacklevel=3,
+        )
+        return None
+    return latest
+
+
 def latest_checkpoint(directory) -> str | None:
     """The newest checkpoint in `directory`, or None if there is none.
 
-    Reads the `checkpoint` file `ModelCheckpoint` keeps; without one, picks
-    the most recently modified `.weights.h5`/`.keras` file (ignoring
-    temporary files of interrupted writes).
+    Reads the `checkpoint` file `ModelCheckpoint` keeps; without one (or
+    with one that cannot be read: a warning), picks the most recently
+    modified `.weights.h5`/`.keras` file (ignoring temporary files of
+    interrupted writes).
     """
     directory = os.fspath(directory)
     state_path = os.path.join(directory, STATE_FILE)
-    if os.path.exists(state_path):
-        with open(state_path) as f:
-            latest = json.load(f).get("latest")
-        if latest and os.path.exists(os.path.join(directory, latest)):
-            return os.path.join(directory, latest)
+    latest = _indexed_latest(state_path)
+    if latest and os.path.exists(os.path.join(directory, latest)):
+        return os.path.join(directory, latest)
     if not os.path.isdir(directory):
         return None
     candidates = [

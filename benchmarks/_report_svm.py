@@ -1,0 +1,128 @@
+"""The Markdown tables and the PNG of `single_vs_mirrored.py`'s results."""
+
+import pathlib
+
+from _runs import fmt
+
+NAMES = {
+    "A": "Keras fit, 1 device",
+    "B": "keras_dist MirroredStrategy fit",
+    "B32": "keras_dist fit, steps_per_execution=32",
+    "C": "Keras DataParallel, fit in the scope (as documented)",
+    "C0": "Keras DataParallel, fit outside the scope (pitfall; keras_dist "
+    "models remember their strategy)",
+    "D": "tf.distribute.MirroredStrategy (TF backend)",
+    "E": "hand-written jax.jit + optax (limit)",
+    "F": "keras_dist custom loop (strategy.run)",
+}
+
+
+def _header(payload: dict) -> list:
+    steps = ", ".join(f"{m} {n}" for m, n in payload["steps"].items())
+    load = " to ".join(f"{v:.1f}" for v in payload["load_average"])
+    out = [
+        f"Measured {payload['date']} on {payload['machine']} "
+        f"({payload['minutes']:.0f} min; 1-minute load average {load}"
+        + (f"; {payload['note']}" if payload["note"] else "")
+        + ").",
+        "",
+        f"`{payload['command']}`: steps per epoch {steps}; "
+        f"{payload['epochs']} timed epochs per run after one compiling epoch; "
+        f"{payload['repeats']} runs per configuration, each a fresh process, "
+        "alternating configurations; a run's sample is the median ms/step of "
+        "its timed epochs; median and min-max over the runs.",
+    ]
+    if payload["repeats"] < 5:
+        out.append(f"Only {payload['repeats']} runs per configuration: indicative.")
+    return [*out, ""]
+
+
+def _rows(payload: dict) -> list:
+    out = [
+        "| model | config | ms/step (median) | min-max | steps/s | examples/s "
+        "| peak RSS MB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in payload["rows"]:
+        name = f"{r['config']} {NAMES[r['config']]}"
+        if "error" in r:
+            out.append(f"| {r['model']} | {name} | failed: {r['error']} | | | | |")
+            continue
+        out.append(
+            f"| {r['model']} | {name} | {r['ms_median']:.2f} | "
+            f"{r['ms_min']:.2f}-{r['ms_max']:.2f} | {r['steps_per_s']:.1f} | "
+            f"{r['examples_per_s']:.0f} | {r['peak_rss_mb']:.0f} |"
+        )
+    return out
+
+
+def markdown(payload: dict) -> str:
+    analysis = payload["analysis"]
+    out = _header(payload) + _rows(payload)
+    names = list(next(iter(analysis["ratios"].values())))
+    out += ["", "| model | " + " | ".join(names) + " |"]
+    out.append("|---|" + "---:|" * len(names))
+    for model, ratios in analysis["ratios"].items():
+        out.append(f"| {model} | " + " | ".join(fmt(v) for v in ratios.values()) + " |")
+    if analysis["scaling"]:
+        model = payload["scaling_model"]
+        out += [
+            "",
+            f"| devices (B, {model}) | ms/step | speed-up | efficiency |",
+            "|---:|---:|---:|---:|",
+        ]
+        for n, ms in sorted(analysis["scaling"].items()):
+            eff = analysis["efficiency"][n]
+            speedup = None if eff is None else eff * n
+            out.append(f"| {n} | {ms:.2f} | {fmt(speedup)} | {fmt(eff)} |")
+    out += ["", "| target | value | result |", "|---|---:|---|"]
+    for t in analysis["targets"]:
+        verdict = "PASS" if t["pass"] else "MISS"
+        out.append(f"| {t['target']} | {fmt(t['value'])} | {verdict} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(payload: dict, path: pathlib.Path) -> bool:
+    """Bars of ms/step (median, min-max whiskers) per configuration; scaling."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return False
+    rows = [r for r in payload["rows"] if "error" not in r]
+    models = sorted({r["model"] for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in payload["rows"]))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    width = 0.8 / max(1, len(models))
+    for i, model in enumerate(models):
+        mine = [r for r in rows if r["model"] == model]
+        xs = [configs.index(r["config"]) + i * width for r in mine]
+        ms = [r["ms_median"] for r in mine]
+        spread = [
+            [m - r["ms_min"] for m, r in zip(ms, mine, strict=True)],
+            [r["ms_max"] - m for m, r in zip(ms, mine, strict=True)],
+        ]
+        axes[0].bar(xs, ms, width=width, yerr=spread, capsize=2, label=model)
+    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(configs))], configs)
+    axes[0].set_ylabel("ms / step (median, min-max over runs)")
+    axes[0].set_yscale("log")
+    axes[0].set_title("ms/step per configuration")
+    axes[0].legend()
+    curve = payload["analysis"]["scaling"]
+    if curve:
+        ns = sorted(curve)
+        axes[1].plot(ns, [curve[n] for n in ns], marker="o", label="B: keras_dist fit")
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xlabel("devices (same global batch)")
+        axes[1].set_ylabel("ms / step")
+        axes[1].set_title(f"scaling, {payload['scaling_model']}")
+        axes[1].legend()
+    else:
+        axes[1].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
