@@ -1,6 +1,6 @@
 """`keras-dist-run`: start N local processes as one JAX cluster.
 
-    keras-dist-run -n 2 [--devices-per-process 4] train.py --epochs 3
+    keras-dist-run -n 2 [--devices-per-process 4] [--evaluator] train.py --epochs 3
     python -m keras_dist.launch -n 2 train.py
 
 Each process gets `KERAS_DIST_COORDINATOR` (a free loopback port),
@@ -12,10 +12,20 @@ exit, then SIGKILL; the launcher exits with 128 + the signal). If a process
 exits with a non-zero status, the others are stopped (SIGTERM, then SIGKILL
 after 10 s: JAX ignores SIGTERM once it joined a cluster) and the launcher
 exits with that status — within 30 s, never hanging.
+
+`--evaluator` starts one more process beside the workers, outside the JAX
+cluster: it gets no `KERAS_DIST_*` variables but a `TF_CONFIG` whose task is
+`{"type": "evaluator", "index": 0}` (the workers listed on loopback), so the
+script can branch on `kd.cluster.resolve().task_type == "evaluator"` and run
+a `kd.callbacks.SidecarEvaluator`. Its lines are prefixed `[evaluator]`. Its
+failure is reported but does not stop training; the launcher waits for it
+after the workers end (it stops on its own once training is done) and exits
+with its status if the workers succeeded.
 """
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -27,6 +37,11 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
+_LAUNCHER_VARS = (
+    "KERAS_DIST_COORDINATOR",
+    "KERAS_DIST_NUM_PROCESSES",
+    "KERAS_DIST_PROCESS_ID",
+)
 GRACE_SECONDS = 10.0
 POLL_SECONDS = 0.05
 
@@ -63,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         help="after forwarding SIGINT/SIGTERM, seconds the processes get to back "
         "up and exit before SIGKILL (default 60)",
     )
+    parser.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="also start one evaluator process (TF_CONFIG task 'evaluator', "
+        "outside the JAX cluster), e.g. for kd.callbacks.SidecarEvaluator",
+    )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument(
         "args", nargs=argparse.REMAINDER, help="arguments passed to the script"
@@ -70,16 +91,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _environment(rank: int, n: int, port: int, devices: int | None) -> dict:
+def _environment(rank: int | None, n: int, port: int, devices: int | None) -> dict:
+    """A worker's variables, or (`rank=None`) the evaluator's TF_CONFIG."""
     env = dict(os.environ)
-    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS"):
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", *_LAUNCHER_VARS):
         env.pop(name, None)  # The launcher's cluster wins.
-    env.update(
-        KERAS_DIST_COORDINATOR=f"127.0.0.1:{port}",
-        KERAS_DIST_NUM_PROCESSES=str(n),
-        KERAS_DIST_PROCESS_ID=str(rank),
-        PYTHONUNBUFFERED="1",
-    )
+    env["PYTHONUNBUFFERED"] = "1"
+    if rank is None:
+        # Only worker 0's address is real (the coordinator); the others just
+        # have to be distinct: the evaluator connects to none of them.
+        workers = [f"127.0.0.1:{port + i}" for i in range(n)]
+        cluster = {"worker": workers, "evaluator": [f"127.0.0.1:{port + n}"]}
+        task = {"type": "evaluator", "index": 0}
+        env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
+    else:
+        env.update(
+            KERAS_DIST_COORDINATOR=f"127.0.0.1:{port}",
+            KERAS_DIST_NUM_PROCESSES=str(n),
+            KERAS_DIST_PROCESS_ID=str(rank),
+        )
     if devices is not None:
         flags = [
             f
@@ -91,7 +121,7 @@ def _environment(rank: int, n: int, port: int, devices: int | None) -> dict:
     return env
 
 
-def _pump(rank: int, stream, sink) -> None:
+def _pump(rank: "int | str", stream, sink) -> None:
     for line in iter(stream.readline, ""):
         sink.write(f"[{rank}] {line}")
         sink.flush()
@@ -105,7 +135,8 @@ class _Cluster:
         command = [sys.executable, args.script, *args.args]
         self.processes: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
-        for rank in range(self.n):
+        ranks = [*range(self.n), *([None] if args.evaluator else [])]
+        for rank in ranks:
             process = subprocess.Popen(
                 command,
                 env=_environment(rank, self.n, port, args.devices_per_process),
@@ -115,15 +146,18 @@ class _Cluster:
                 start_new_session=True,  # Its own group: we stop all it spawns.
             )
             self.processes.append(process)
+            label = "evaluator" if rank is None else rank
             for stream, sink in (
                 (process.stdout, sys.stdout),
                 (process.stderr, sys.stderr),
             ):
                 pump = threading.Thread(
-                    target=_pump, args=(rank, stream, sink), daemon=True
+                    target=_pump, args=(label, stream, sink), daemon=True
                 )
                 pump.start()
                 self.pumps.append(pump)
+        self.workers = self.processes[: self.n]
+        self.evaluator = self.processes[self.n] if args.evaluator else None
         self.interrupted: int | None = None
         self.preemption_grace = args.preemption_grace
 
@@ -146,32 +180,49 @@ class _Cluster:
             process.wait(timeout=10)
 
     def run(self) -> int:
+        evaluator_reported = False
         while True:
             if self.interrupted is not None:
                 # A preemption: let every process back up (BackupAndRestore
                 # agrees on a step through JAX's preemption service) and exit.
                 self.stop(self.interrupted, self.preemption_grace)
                 return 128 + self.interrupted
-            codes = [p.poll() for p in self.processes]
+            codes = [p.poll() for p in self.workers]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # A process killed by a signal is the cause; peers that fail
-                # at the same time usually fail because it vanished.
-                rank, code = min(failed, key=lambda failure: failure[1] > 0)
-                how = f"exited with status {code}"
-                if code < 0:
-                    how = f"was killed by {signal.Signals(-code).name}"
+                return self._stop_after_failure(failed)
+            evaluator = self.evaluator.poll() if self.evaluator else 0
+            if evaluator not in (None, 0) and not evaluator_reported:
                 print(
-                    f"keras-dist-run: process {rank} {how}; "
-                    f"stopping the other {sum(c is None for c in codes)}.",
+                    f"keras-dist-run: the evaluator {_how(evaluator)}; training "
+                    "goes on.",
                     file=sys.stderr,
                     flush=True,
                 )
-                self.stop()
-                return code if code > 0 else 128 - code
-            if all(c == 0 for c in codes):
-                return 0
+                evaluator_reported = True
+            if all(c == 0 for c in codes) and evaluator is not None:
+                return evaluator if evaluator >= 0 else 128 - evaluator
             time.sleep(POLL_SECONDS)
+
+    def _stop_after_failure(self, failed: list) -> int:
+        # A process killed by a signal is the cause; peers that fail at the
+        # same time usually fail because it vanished.
+        rank, code = min(failed, key=lambda failure: failure[1] > 0)
+        running = sum(p.poll() is None for p in self.processes)
+        print(
+            f"keras-dist-run: process {rank} {_how(code)}; "
+            f"stopping the other {running}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.stop()
+        return code if code > 0 else 128 - code
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from keras_dist.callbacks._backup_and_restore import BackupAndRestore
 from keras_dist.callbacks._lr_scheduler import LearningRateScheduler
 from keras_dist.callbacks._model_checkpoint import ModelCheckpoint, latest_checkpoint
 from keras_dist.callbacks._print_lr import PrintLR
+from keras_dist.callbacks._sidecar_evaluator import SidecarEvaluator
 from keras_dist.callbacks._warmup import LearningRateWarmup
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "LearningRateWarmup",
     "ModelCheckpoint",
     "PrintLR",
+    "SidecarEvaluator",
     "latest_checkpoint",
 ]

@@ -90,11 +90,18 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             os.path.dirname(filepath) or ".", argument="filepath"
         )
         self._kept: list[str] = []
+        self._epochs: dict[str, int] = {}
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         if is_chief():  # Temporary files of writes an earlier run interrupted.
             remove_stale_temps(self.directory)
+        self._write_index(done=False)
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)
+        # The marker `kd.callbacks.SidecarEvaluator` stops on.
+        self._write_index(done=True)
 
     def _save_model(self, epoch, batch, logs):
         filepath = self._get_file_path(epoch, batch, logs)
@@ -115,7 +122,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._write(filepath)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
-        self._record(filepath)
+        self._record(filepath, epoch)
 
     def _write(self, filepath: str) -> None:
         if self.save_weights_only:
@@ -124,27 +131,39 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
 
-    def _record(self, filepath: str) -> None:
+    def _record(self, filepath: str, epoch: int) -> None:
         filepath = os.path.abspath(filepath)
         if filepath in self._kept:
             self._kept.remove(filepath)
         self._kept.append(filepath)
+        self._epochs[os.path.basename(filepath)] = int(epoch)
         if self.max_to_keep is not None:
             while len(self._kept) > self.max_to_keep:
                 old = self._kept.pop(0)
                 if os.path.exists(old):
                     os.remove(old)
-        directory = os.path.dirname(filepath)
+        self._write_index(done=False)
+
+    def _write_index(self, *, done: bool) -> None:
+        """The `checkpoint` index: newest last, each file's epoch, `done`.
+
+        `done` is true once `fit` has ended (the evaluator's stop marker).
+        """
+        if not is_chief() or not self._kept:
+            return
+        names = [
+            os.path.basename(p)
+            for p in self._kept
+            if os.path.dirname(p) == self.directory
+        ]
         state = {
-            "latest": os.path.basename(filepath),
-            "all": [
-                os.path.basename(p)
-                for p in self._kept
-                if os.path.dirname(p) == directory
-            ],
+            "latest": os.path.basename(self._kept[-1]),
+            "all": names,
+            "epochs": {name: self._epochs[name] for name in names},
+            "done": done,
         }
         atomic_write(
-            os.path.join(directory, STATE_FILE),
+            os.path.join(self.directory, STATE_FILE),
             lambda p: _write_json(p, state),
         )
 

@@ -96,7 +96,9 @@ def initialize(
 
     Resolves the cluster (`resolve`: explicit > TF_CONFIG > SLURM >
     keras-dist-run > JAX's detection > single process). With one process it
-    does nothing. Otherwise it selects the gloo collectives on CPU, prints
+    does nothing; a TF_CONFIG `evaluator` (outside the training cluster)
+    joins nothing either: its strategies run on its local devices. Otherwise
+    it selects the gloo collectives on CPU, prints
     `process / count / coordinator / local devices`, and calls
     `jax.distributed.initialize` with `timeout`.
 
@@ -126,6 +128,16 @@ def initialize(
     check_address(resolver)
     if resolver.num_processes == 1:
         return resolver  # Nothing to join; a later call may still join a cluster.
+    if resolver.process_id is None and resolver.task_type == "evaluator":
+        # Outside the training cluster: runs on its own devices, joins nothing.
+        print(
+            "keras_dist: this process is the evaluator, not part of the "
+            f"training cluster ({resolver.num_processes} processes): running "
+            "locally.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return resolver
     if resolver.process_id is None and resolver.source != "jax":
         raise RuntimeError(
             f"This process ({resolver.task_type}:{resolver.task_id}) is not part of "
