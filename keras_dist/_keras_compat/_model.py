@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import jax
 import keras
-import numpy as np
 
+from keras_dist._checks import check_int
 from keras_dist._keras_compat._input import current_strategy
 from keras_dist._keras_compat._processes import prepare_call
 from keras_dist.data import _call
@@ -18,6 +18,7 @@ from keras_dist.strategies._ownership import (
     strategy_of_model,
     strategy_of_variable,
 )
+from keras_dist.training._call_checks import check_call
 
 __all__ = ["_entry_point", "_step_builder"]
 
@@ -38,13 +39,16 @@ def _entry_point(method: Callable) -> Callable:
     def wrapper(model, *args, **kwargs):
         strategy = _strategy_for(model)
         if strategy is None:  # Plain Keras; keras_dist callbacks still need it.
+            check = _checked(signature, method, model, args, kwargs)
             with _call.enter(
                 method.__name__,
                 None,
                 initial_epoch=_initial_epoch(signature, method, model, args, kwargs),
-            ):
+            ) as state:
+                state.check_batch = check
                 return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
+        check = _checked(signature, method, model, args, kwargs)
         initial_epoch = _initial_epoch(signature, method, model, args, kwargs)
         if strategy._spans_processes:
             bound = signature.bind(model, *args, **kwargs)
@@ -52,9 +56,10 @@ def _entry_point(method: Callable) -> Callable:
             args, kwargs = bound.args[1:], bound.kwargs
         _place_variables(model, strategy, move=False)  # Refuse before building.
         with contextlib.ExitStack() as stack:
-            stack.enter_context(
+            state = stack.enter_context(
                 _call.enter(method.__name__, strategy, initial_epoch=initial_epoch)
             )
+            state.check_batch = check
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]
@@ -66,6 +71,15 @@ def _entry_point(method: Callable) -> Callable:
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+def _checked(signature, method, model, args, kwargs):
+    """Refuses mistakes in the call's arguments; the check of its batches."""
+    try:
+        bound = signature.bind(model, *args, **kwargs).arguments
+    except TypeError:
+        return None  # Keras reports wrong arguments itself.
+    return check_call(method.__name__, model, bound)
 
 
 def _initial_epoch(signature, method, model, args, kwargs) -> int:
@@ -108,18 +122,16 @@ def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
         value = bound.arguments.get(name)
         if value is None:
             continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, np.integer))
-            or value <= 0
-        ):
-            raise ValueError(
-                f"`{name}` must be a positive integer: the global batch, split "
-                f"over the {strategy.num_replicas_in_sync} replicas of "
-                f"{strategy!r}. Received: {name}={value!r}. For example "
-                f"{name}={32 * strategy.num_replicas_in_sync}."
-            )
-        strategy._check_global_batch(int(value))
+        value = check_int(
+            value,
+            name=name,
+            meaning=(
+                f": the global batch, split over the "
+                f"{strategy.num_replicas_in_sync} replicas of {strategy!r}"
+            ),
+            example=32 * strategy.num_replicas_in_sync,
+        )
+        strategy._check_global_batch(value)
 
 
 def _place_variables(model, strategy, *, move: bool = True) -> bool:

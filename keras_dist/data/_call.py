@@ -60,6 +60,9 @@ class CallState:
         batch_size: the global batch size of the first batch read, if any.
         input_stats: host time spent producing batches (shared with parents).
         resume: a pending `ResumePlan`, taken by the first training pass.
+        check_batch: called with each host batch the input pipeline reads and
+            its index in the pass, before it is laid out (the targets checks
+            of `training/_call_checks.py`); None: no check.
     """
 
     method: str
@@ -69,6 +72,7 @@ class CallState:
     batch_size: int | None = None
     input_stats: InputStats = dataclasses.field(default_factory=InputStats)
     resume: ResumePlan | None = None
+    check_batch: Callable[[Any, int], None] | None = None
     _closers: list = dataclasses.field(default_factory=list)
 
     @property

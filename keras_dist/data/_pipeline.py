@@ -113,8 +113,11 @@ class _Reader:
                 block, rows, num_real = agreed
                 yield block, rows * strategy.num_processes, num_real
         index = -1
+        check = self.call.check_batch if self.call is not None else None
         for index, data in enumerate(batches):
             signature.check(data, index)
+            if check is not None:
+                check(data, index)
             if index == 0:
                 if self.call is not None:
                     self.call.observe_batch_size(batch_size_of(data))
@@ -123,6 +126,14 @@ class _Reader:
             yield data, None, None
         if strategy.num_processes > 1:
             check_pass_end(index + 1, self.source, channel + "/end")
+        if index < 0 and self.call is not None and self.call.root.batch_size is None:
+            raise ValueError(
+                f"{self.source} has no batches: `{self.call.method}` needs at "
+                "least one. Received: an empty input. Check that the dataset "
+                "is not empty (e.g. a `filter`, `take(0)` or `skip` that drops "
+                "everything, or a batch size larger than the data with "
+                "`drop_remainder=True`)."
+            )
 
     def lay_out(self, item) -> tuple[Any, Any]:
         data, rows, num_real = item
