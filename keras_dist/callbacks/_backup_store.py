@@ -24,6 +24,9 @@ def variable_groups(model) -> dict[str, list]:
 class BackupStore:
     """Numbered backups in `directory`: atomic (Orbax), the previous one kept.
 
+    A backup an interrupted run left half-written (Orbax's temporary
+    `<step>.orbax-checkpoint-tmp-*` directory) is deleted when the store opens.
+
     A backup holds every variable of the model, its optimizer and metrics,
     plus a JSON `meta` dict (with each variable's path and shape, to refuse a
     backup of another model).
@@ -36,7 +39,12 @@ class BackupStore:
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=2, enable_async_checkpointing=False, create=True
+                max_to_keep=2,
+                enable_async_checkpointing=False,
+                create=True,
+                # A backup an interrupted run left half-written (Orbax writes
+                # `<step>.orbax-checkpoint-tmp-*` then renames) is deleted.
+                cleanup_tmp_directories=True,
             ),
         )
 

@@ -2,10 +2,18 @@
 
 import contextlib
 import os
+import re
+import time
 import uuid
 from collections.abc import Callable
 
-__all__ = ["atomic_write", "check_writable_dir"]
+__all__ = ["atomic_write", "check_writable_dir", "remove_stale_temps"]
+
+# `atomic_write`'s temporary names: `.tmp-<12 hex digits>-<final name>`.
+_TEMP = re.compile(r"^\.tmp-[0-9a-f]{12}-.+$")
+# Temporary files older than this (the import of this module, before any
+# write of this process) were left by an interrupted earlier run.
+_STARTED = time.time()
 
 
 def check_writable_dir(path: str, *, argument: str) -> str:
@@ -48,3 +56,25 @@ def atomic_write(final_path: str, write: Callable[[str], None]) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def remove_stale_temps(directory: str) -> list[str]:
+    """Removes `atomic_write` temporary files an interrupted run left behind.
+
+    Only files named as `atomic_write` names them and last modified before
+    this process started are removed (never another file, nor a write in
+    progress in this process).
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if not (_TEMP.match(entry.name) and entry.is_file(follow_symlinks=False)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat(follow_symlinks=False).st_mtime < _STARTED:
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed

@@ -1,14 +1,14 @@
 """`initialize`: the only caller of `jax.distributed.initialize`."""
 
+import math
 import os
-import socket
 import sys
-import time
 
 import jax
 
 from keras_dist.cluster._environment import check_address, resolve
-from keras_dist.cluster._resolver import ClusterResolver, parse_address
+from keras_dist.cluster._rendezvous import roll_call
+from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterTimeoutError
 
 __all__ = ["initialize", "is_initialized"]
@@ -49,35 +49,17 @@ def _exit_fast_on_errors() -> None:
     sys.excepthook = hook
 
 
-def _wait_for_coordinator(resolver: ClusterResolver, timeout: float) -> float:
-    """Waits until the coordinator accepts TCP connections; returns time left.
-
-    JAX aborts the whole process (no Python exception) when the coordinator
-    cannot be reached, so a process other than the coordinator checks first
-    and fails with an error naming the address instead.
-
-    Raises:
-        ClusterTimeoutError: if the coordinator does not answer within `timeout`.
-    """
-    start = time.monotonic()
-    if resolver.process_id == 0 or resolver.coordinator_address is None:
-        return timeout
-    host, port = parse_address(resolver.coordinator_address, where="the coordinator")
-    host = host.strip("[]")
-    last_error = None
-    while time.monotonic() - start < timeout:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return max(1.0, timeout - (time.monotonic() - start))
-        except OSError as error:
-            last_error = error
-            time.sleep(0.2)
-    raise ClusterTimeoutError(
-        f"The coordinator {resolver.coordinator_address} did not answer within "
-        f"{timeout:g} s ({last_error}); this process is {resolver.describe()}. "
-        "Start process 0 first (or together), check the address and port, and "
-        "that no firewall blocks it."
-    )
+def _check_timeout(timeout) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(
+            "`timeout` must be a number of seconds, e.g. 300. Received: "
+            f"timeout={timeout!r} of type {type(timeout).__name__}."
+        )
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ValueError(
+            "`timeout` must be a positive, finite number of seconds. Received: "
+            f"timeout={timeout!r}."
+        )
 
 
 def _joined_by_jax() -> bool:
@@ -113,9 +95,14 @@ def initialize(
     Raises:
         ClusterTimeoutError: if the coordinator or a peer does not answer
             within `timeout` (names the address).
+        ClusterConfigError: if the processes describe the cluster
+            differently (another `num_processes`, the same process id twice).
+        TypeError: if `timeout` is not a number.
+        ValueError: if `timeout` is not positive.
         RuntimeError: if JAX already started its devices in this process
             before the cluster was joined.
     """
+    _check_timeout(timeout)
     if "resolver" in _STATE:
         return _STATE["resolver"]
     if _joined_by_jax():  # The program called jax.distributed.initialize itself.
@@ -162,7 +149,8 @@ def initialize(
         file=sys.stderr,
         flush=True,
     )
-    timeout = _wait_for_coordinator(resolver, timeout)
+    if resolver.source != "jax":  # Every process there, or a named error.
+        timeout = roll_call(resolver, timeout)
     kwargs = {}
     if resolver.source != "jax":
         kwargs = {

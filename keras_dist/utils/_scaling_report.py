@@ -49,11 +49,20 @@ class ScalingReport(keras.callbacks.Callback):
             called input-bound. Defaults to 0.8.
 
     Raises:
+        TypeError: if `input_bound_fraction` is not a number.
         ValueError: if `input_bound_fraction` is not in (0, 1].
     """
 
     def __init__(self, print_summary: bool = True, input_bound_fraction: float = 0.8):
         super().__init__()
+        if isinstance(input_bound_fraction, bool) or not isinstance(
+            input_bound_fraction, int | float
+        ):
+            raise TypeError(
+                "`input_bound_fraction` must be a number in (0, 1], e.g. 0.8. "
+                f"Received: input_bound_fraction={input_bound_fraction!r} of type "
+                f"{type(input_bound_fraction).__name__}."
+            )
         if not 0 < input_bound_fraction <= 1:
             raise ValueError(
                 "`input_bound_fraction` must be in (0, 1]. Received: "

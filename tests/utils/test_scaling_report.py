@@ -91,3 +91,8 @@ def test_plain_keras_fit_has_no_input_numbers():
 def test_bad_threshold():
     with pytest.raises(ValueError, match="Received: input_bound_fraction=0"):
         kd.utils.ScalingReport(input_bound_fraction=0)
+    with pytest.raises(
+        TypeError, match=r"Received: input_bound_fraction='0\.5' of type str"
+    ):
+        kd.utils.ScalingReport(input_bound_fraction="0.5")
+    assert kd.utils.ScalingReport(input_bound_fraction=1).input_bound_fraction == 1
