@@ -10,6 +10,7 @@ __all__ = [
     "ClusterTimeoutError",
     "DeviceNotFoundError",
     "IncompatibleBackupError",
+    "ProcessMismatchError",
     "StrategyMismatchError",
     "TPUNotFoundError",
 ]
@@ -26,6 +27,13 @@ class TPUNotFoundError(DeviceNotFoundError):
 
 class StrategyMismatchError(RuntimeError):
     """Two strategies, or a strategy and a model's variables, disagree."""
+
+
+class ProcessMismatchError(StrategyMismatchError, ValueError):
+    """The processes of a cluster disagree: they build different variables,
+    call `fit`/`evaluate`/`predict` differently, read different batches, or
+    describe the cluster differently (`except ValueError` and `except
+    StrategyMismatchError` both catch it)."""
 
 
 class ClusterConfigError(ValueError):

@@ -21,6 +21,7 @@ import keras
 import numpy as np
 
 from keras_dist.cluster import _sync
+from keras_dist.errors import ProcessMismatchError
 from keras_dist.strategies._base import Strategy
 
 __all__ = ["gathered_outputs", "prepare_call"]
@@ -97,7 +98,8 @@ def prepare_call(method: str, model, arguments: dict) -> None:
     changed in place for non-chief processes.
 
     Raises:
-        ValueError: if the processes made different calls (names them).
+        ProcessMismatchError: if the processes made different calls (names
+            them; a `ValueError`).
     """
     call = _describe_call(method, model, arguments)
     everyone = _sync.allgather(f"call-{method}", call)
@@ -110,7 +112,7 @@ def prepare_call(method: str, model, arguments: dict) -> None:
             + ", ".join(f"{key}={other.get(key)!r}" for key in different)
             for p, other in enumerate(everyone)
         )
-        raise ValueError(
+        raise ProcessMismatchError(
             f"The processes called `model.{method}` differently ({found}). With "
             "several processes every process must run the same program: the "
             "same model, the same global `batch_size`, epochs and steps, and the "

@@ -95,7 +95,7 @@ def initialize(
     Raises:
         ClusterTimeoutError: if the coordinator or a peer does not answer
             within `timeout` (names the address).
-        ClusterConfigError: if the processes describe the cluster
+        ProcessMismatchError: if the processes describe the cluster
             differently (another `num_processes`, the same process id twice).
         TypeError: if `timeout` is not a number.
         ValueError: if `timeout` is not positive.

@@ -14,7 +14,7 @@ import socket
 import time
 
 from keras_dist.cluster._resolver import ClusterResolver, parse_address
-from keras_dist.errors import ClusterConfigError, ClusterTimeoutError
+from keras_dist.errors import ClusterTimeoutError, ProcessMismatchError
 
 __all__ = ["roll_call"]
 
@@ -28,7 +28,7 @@ def roll_call(resolver: ClusterResolver, timeout: float) -> float:
     Raises:
         ClusterTimeoutError: naming the processes (or the coordinator) that
             did not answer within `timeout` seconds.
-        ClusterConfigError: if two processes claim the same process id, or
+        ProcessMismatchError: if two processes claim the same process id, or
             the processes disagree on the number of processes.
     """
     start = time.monotonic()
@@ -101,7 +101,7 @@ def _welcome(connection: socket.socket, peers: dict, resolver: ClusterResolver):
         problem = f"two processes (or one out of range) claim process_id={process}"
     if problem is not None:
         _answer({**peers, process: connection}, f"abort {problem}")
-        raise ClusterConfigError(
+        raise ProcessMismatchError(
             f"The cluster is described differently by its processes: {problem}. "
             "Start every process with the same cluster description and its own "
             "process id."

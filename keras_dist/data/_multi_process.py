@@ -28,6 +28,7 @@ import numpy as np
 from keras_dist.cluster import _sync
 from keras_dist.data._partial_batch import batch_size_of, pad_to, round_up
 from keras_dist.data._sparse import is_leaf, is_sparse, map_rows, pad_sparse
+from keras_dist.errors import ProcessMismatchError
 
 __all__ = ["ProcessBlocks", "check_pass_end", "check_pass_start", "global_rows"]
 
@@ -70,7 +71,7 @@ def check_pass_start(data: Any, source: str, channel: str) -> None:
     """All processes read the same first global batch (size and checksum).
 
     Raises:
-        ValueError: naming each process's batch size and checksum when they
+        ProcessMismatchError: naming each process's batch size and checksum when they
             differ, with the fix (same data, same seed, on every process).
     """
     mine = {"rows": batch_size_of(data), "checksum": _checksum(data)}
@@ -81,7 +82,7 @@ def check_pass_start(data: Any, source: str, channel: str) -> None:
         f"process {p}: {v['rows']} rows (checksum {v['checksum']:08x})"
         for p, v in enumerate(everyone)
     )
-    raise ValueError(
+    raise ProcessMismatchError(
         f"The processes read different global batches from {source} ({found}). "
         "With several processes every process must pass the same full dataset "
         "and the same global `batch_size` (keras_dist splits each global batch "
@@ -98,7 +99,7 @@ def check_pass_end(batches: int, source: str, channel: str) -> None:
     everyone = _sync.allgather(channel, batches)
     if len(set(everyone)) > 1:
         found = ", ".join(f"process {p}: {n}" for p, n in enumerate(everyone))
-        raise ValueError(
+        raise ProcessMismatchError(
             f"The processes read different numbers of global batches from "
             f"{source} in one pass ({found}). Every process must pass the same "
             "full dataset; see `kd.data.AutoShardPolicy` to split data yourself."
@@ -152,7 +153,7 @@ class ProcessBlocks:
         block = max(math.ceil(c / self._local) * self._local for c in counts)
         if batch is None:
             if self._template is None:
-                raise ValueError(
+                raise ProcessMismatchError(
                     f"This process's input ({self._source}) produced no batch, "
                     f"while other processes have data (rows per process: {counts}). "
                     "Give every process at least one batch (e.g. shard files "

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
-from keras_dist.errors import StrategyMismatchError
+from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
 from keras_dist.strategies._memory_report import MemoryReport, memory_report
@@ -297,7 +297,7 @@ def _check_same_variable(variable) -> None:
         f"process {p}: {path!r} of shape {tuple(shape)} and dtype {dtype}"
         for p, (path, shape, dtype) in enumerate(everyone)
     )
-    raise StrategyMismatchError(
+    raise ProcessMismatchError(
         f"The processes create different variables ({found}). With several "
         "processes every process must run the same program and build the same "
         "model in `strategy.scope()`."

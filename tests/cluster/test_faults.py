@@ -128,6 +128,6 @@ def test_processes_that_disagree_fail_fast_with_a_clear_error(kind, message):
     start = time.monotonic()
     result = launch(HERE / "mismatch_script.py", env={"KD_MISMATCH": kind}, devices=2)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert message in result.stderr
+    assert f"ProcessMismatchError: {message}" in result.stderr
     assert "no error" not in result.stdout
     assert time.monotonic() - start < 90

@@ -62,7 +62,7 @@ def test_processes_that_disagree_on_the_count_are_refused():
     coordinator, peer = _start(port, 2, 0, "20"), _start(port, 3, 1, "20")
     (code0, _, err0), (code1, _, err1) = _finish(coordinator), _finish(peer)
     assert (code0, code1) == (1, 1), err0[-2000:] + err1[-2000:]
-    assert "ClusterConfigError: The cluster is described differently" in err0
+    assert "ProcessMismatchError: The cluster is described differently" in err0
     assert "process 1 was started with num_processes=3" in err0
     assert "(process 0) gave up on the cluster: process 1 was started" in err1
 
