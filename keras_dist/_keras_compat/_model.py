@@ -39,16 +39,16 @@ def _entry_point(method: Callable) -> Callable:
     def wrapper(model, *args, **kwargs):
         strategy = _strategy_for(model)
         if strategy is None:  # Plain Keras; keras_dist callbacks still need it.
-            check = _checked(signature, method, model, args, kwargs)
+            check, validates = _checked(signature, method, model, args, kwargs)
             with _call.enter(
                 method.__name__,
                 None,
                 initial_epoch=_initial_epoch(signature, method, model, args, kwargs),
             ) as state:
-                state.check_batch = check
+                state.check_batch, state.validates = check, validates
                 return method(model, *args, **kwargs)
         _check_batch_sizes(signature, strategy, model, args, kwargs)
-        check = _checked(signature, method, model, args, kwargs)
+        check, validates = _checked(signature, method, model, args, kwargs)
         initial_epoch = _initial_epoch(signature, method, model, args, kwargs)
         if strategy._spans_processes:
             bound = signature.bind(model, *args, **kwargs)
@@ -59,7 +59,7 @@ def _entry_point(method: Callable) -> Callable:
             state = stack.enter_context(
                 _call.enter(method.__name__, strategy, initial_epoch=initial_epoch)
             )
-            state.check_batch = check
+            state.check_batch, state.validates = check, validates
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]
@@ -74,12 +74,19 @@ def _entry_point(method: Callable) -> Callable:
 
 
 def _checked(signature, method, model, args, kwargs):
-    """Refuses mistakes in the call's arguments; the check of its batches."""
+    """Refuses mistakes in the call's arguments.
+
+    Returns:
+        The check of its batches (or None) and whether it validates.
+    """
     try:
         bound = signature.bind(model, *args, **kwargs).arguments
     except TypeError:
-        return None  # Keras reports wrong arguments itself.
-    return check_call(method.__name__, model, bound)
+        return None, None  # Keras reports wrong arguments itself.
+    validates = bound.get("validation_data") is not None or bool(
+        bound.get("validation_split")
+    )
+    return check_call(method.__name__, model, bound), validates
 
 
 def _initial_epoch(signature, method, model, args, kwargs) -> int:

@@ -8,6 +8,7 @@ import warnings
 import jax
 import keras
 
+from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import (
     atomic_write,
@@ -94,6 +95,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
+        check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
         if is_chief():  # Temporary files of writes an earlier run interrupted.
             remove_stale_temps(self.directory)
         self._write_index(done=False)
@@ -104,6 +106,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._write_index(done=True)
 
     def _save_model(self, epoch, batch, logs):
+        if self.save_best_only and batch is None:
+            check_monitor(self.monitor, logs)
         filepath = self._get_file_path(epoch, batch, logs)
         if not self._should_save_model(epoch, batch, logs, filepath):
             return

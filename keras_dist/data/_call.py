@@ -63,6 +63,8 @@ class CallState:
         check_batch: called with each host batch the input pipeline reads and
             its index in the pass, before it is laid out (the targets checks
             of `training/_call_checks.py`); None: no check.
+        validates: whether the call validates (`fit` with `validation_data`
+            or `validation_split`); None if unknown.
     """
 
     method: str
@@ -73,6 +75,7 @@ class CallState:
     input_stats: InputStats = dataclasses.field(default_factory=InputStats)
     resume: ResumePlan | None = None
     check_batch: Callable[[Any, int], None] | None = None
+    validates: bool | None = None
     _closers: list = dataclasses.field(default_factory=list)
 
     @property

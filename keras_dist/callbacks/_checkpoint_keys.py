@@ -1,0 +1,83 @@
+"""`ModelCheckpoint` keys that cannot be filled, refused before training is lost.
+
+Keras 3.15 formats `filepath` only when it first saves: an unknown key
+(`{epok}`) or `{val_loss}` without validation data raises a `KeyError` after
+the first epoch has trained. A `monitor` that is not logged (`"val_los"`)
+with `save_best_only=True` only warns, and every epoch is saved as "best".
+Here the filepath's keys are checked in `on_train_begin` against the keys
+the logs will hold (`epoch`, `batch`, the model's metrics and, when `fit`
+validates, their `val_` twins), and the monitor at the first epoch end
+against the logs themselves.
+"""
+
+import string
+from typing import Any
+
+import keras
+
+from keras_dist.data import _call
+
+__all__ = ["check_filepath_keys", "check_monitor"]
+
+_ALWAYS = ("epoch", "batch", "learning_rate")
+
+
+def _format_keys(filepath: str) -> list[str]:
+    keys = []
+    for _, field, _, _ in string.Formatter().parse(filepath):
+        if field:
+            keys.append(field.split(".")[0].split("[")[0])
+    return keys
+
+
+def _validates() -> bool | None:
+    state = _call.active()
+    return None if state is None else state.validates
+
+
+def check_filepath_keys(filepath: str, model: Any) -> None:
+    """Raises ValueError if `filepath` names a key the logs will not hold.
+
+    Models with their own `train_step` may log any key: not checked.
+    """
+    if type(model).train_step is not keras.Model.train_step:
+        return
+    metrics = list(model.get_metrics_result())
+    validates = _validates()
+    available = [*_ALWAYS, *metrics]
+    if validates is not False:
+        available += [f"val_{name}" for name in metrics]
+    for key in _format_keys(filepath):
+        if key in available or (validates is None and key.startswith("val_")):
+            continue
+        hint = ""
+        if key.startswith("val_") and key[4:] in metrics:
+            hint = (
+                " Validation keys exist only when `fit` validates: pass "
+                "`validation_data=` or `validation_split=`."
+            )
+        raise ValueError(
+            f"ModelCheckpoint's `filepath` uses the key {{{key}}}, which the logs "
+            f"of this `fit` will not hold. Received: filepath={filepath!r}. "
+            f"Available keys: {available}.{hint} Fix the key, e.g. "
+            "'ckpt_{epoch:02d}_{loss:.3f}.keras'."
+        )
+
+
+def check_monitor(monitor: str, logs: dict | None) -> None:
+    """Raises ValueError if `monitor` is not in an epoch's `logs`.
+
+    A `val_` key whose training twin is logged is allowed: validation may
+    not run every epoch (`validation_freq`).
+    """
+    if logs is None or monitor in logs:
+        return
+    if monitor.startswith("val_") and monitor[4:] in logs and _validates():
+        return
+    raise ValueError(
+        f"ModelCheckpoint's `monitor` is not in the logs, so with "
+        f"save_best_only=True no epoch can be compared (Keras would save every "
+        f"epoch as the best). Received: monitor={monitor!r}. Available keys: "
+        f"{sorted(logs)}. Pass one of them, e.g. monitor='loss'"
+        + (" or 'val_loss' with validation data." if "loss" in logs else ".")
+    )
