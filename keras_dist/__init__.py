@@ -20,6 +20,7 @@ from keras_dist import (  # noqa: E402
     cluster,
     data,
     errors,
+    failure_handling,
     layers,
     losses,
     partitioners,
@@ -28,6 +29,10 @@ from keras_dist import (  # noqa: E402
 )
 from keras_dist._version import __version__  # noqa: E402
 from keras_dist.data import InputContext, InputOptions  # noqa: E402
+from keras_dist.failure_handling import (  # noqa: E402
+    PreemptionCheckpointHandler,
+    TerminationConfig,
+)
 from keras_dist.strategies import (  # noqa: E402
     CentralStorageStrategy,
     CommunicationOptions,
@@ -58,15 +63,18 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PerReplica",
+    "PreemptionCheckpointHandler",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
     "TPUStrategy",
+    "TerminationConfig",
     "__version__",
     "callbacks",
     "cluster",
     "data",
     "errors",
+    "failure_handling",
     "get_replica_context",
     "layers",
     "losses",

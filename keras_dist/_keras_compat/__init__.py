@@ -77,6 +77,7 @@ keras_dist strategy involved, every wrapped function behaves as Keras's own.
 import importlib
 from typing import Any
 
+import jax
 import keras
 import numpy as np
 
@@ -92,6 +93,8 @@ from keras_dist._keras_compat._input import (
     _jit,
     _make_function,
 )
+from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
+from keras_dist._keras_compat._jax_seams import find as _find
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._optimizer import (
     _add_variable_from_reference,
@@ -191,20 +194,32 @@ def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:
 
 
 def seams() -> dict[str, Any]:
-    """The private Keras objects keras_dist relies on, by name.
+    """The private Keras and JAX objects keras_dist relies on, by name.
+
+    Also the public Keras hooks the strategies override (`KERAS_HOOKS`) and
+    the private JAX names of the cluster layer (`JAX_PRIVATE`), as
+    `"module.Owner.name"`.
 
     Raises:
-        ImportError: if a Keras release moved or removed one of them.
+        ImportError: if a Keras or JAX release moved or removed one of them.
     """
     found = {path: _lookup(module, path)[2] for module, path, _ in _SEAMS}
     missing = [name for name, obj in found.items() if obj is None]
-    if missing:
+    hooks, missing_hooks = _find(KERAS_HOOKS)
+    if missing or missing_hooks:
         raise ImportError(
             f"keras_dist {_version()} was checked against Keras {CHECKED_KERAS}.x; "
-            f"Keras {keras.__version__} no longer has {missing}. Install "
-            f"`keras>={CHECKED_KERAS},<3.16` or upgrade keras_dist."
+            f"Keras {keras.__version__} no longer has {missing + missing_hooks}. "
+            f"Install `keras>={CHECKED_KERAS},<3.16` or upgrade keras_dist."
         )
-    return found
+    private_jax, missing_jax = _find(JAX_PRIVATE)
+    if missing_jax:
+        raise ImportError(
+            f"keras_dist {_version()} was checked against JAX {CHECKED_JAX}.x; "
+            f"JAX {jax.__version__} no longer has {missing_jax}. Install "
+            f"`jax>={CHECKED_JAX},<0.11` or upgrade keras_dist."
+        )
+    return {**found, **hooks, **private_jax}
 
 
 def _version() -> str:

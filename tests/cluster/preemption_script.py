@@ -1,0 +1,52 @@
+"""One process of a custom loop under PreemptionCheckpointHandler.
+
+Args: a work directory. Writes `pid_<rank>` at start (the test SIGTERMs one
+process) and `weights_<rank>.json` when the loop ends; every process prints
+"rank R saved at run N" when it saves. KD_STEP_SECONDS slows each step.
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import keras_dist as kd
+
+strategy = kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=60)
+)
+
+import jax  # noqa: E402
+
+from tests.failure_handling import _loop  # noqa: E402
+
+workdir = sys.argv[1]
+rank = jax.process_index()
+with open(os.path.join(workdir, f"pid_{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+handlers = []
+
+
+def make(model):
+    config = kd.TerminationConfig(
+        save_fn=lambda: print(
+            f"rank {rank} saved at run {handlers[0].total_run_calls}", flush=True
+        )
+    )
+    handlers.append(
+        kd.PreemptionCheckpointHandler(
+            strategy.cluster_resolver, model, os.path.join(workdir, "ckpt"), config
+        )
+    )
+    print(f"rank {rank} starts at run {handlers[0].total_run_calls}", flush=True)
+    return handlers[0]
+
+
+weights = _loop.train(
+    strategy, make, step_seconds=float(os.environ.get("KD_STEP_SECONDS", "0"))
+)
+with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
+    json.dump([w.tolist() for w in weights], f)
+print(f"rank {rank} done", flush=True)
