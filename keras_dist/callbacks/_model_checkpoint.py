@@ -8,6 +8,7 @@ import warnings
 import jax
 import keras
 
+from keras_dist._checks import check_int
 from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import (
@@ -76,15 +77,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 f"`filepath` must end in {' or '.join(expected)} with "
                 f"save_weights_only={weights_only}. Received: filepath={filepath!r}."
             )
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool)
-            or not isinstance(max_to_keep, int)
-            or max_to_keep < 1
-        ):
-            raise ValueError(
-                f"`max_to_keep` must be a positive int or None. Received: "
-                f"max_to_keep={max_to_keep!r}."
-            )
+        if max_to_keep is not None:
+            max_to_keep = check_int(max_to_keep, name="max_to_keep", meaning=" or None")
         super().__init__(filepath, **kwargs)
         self.max_to_keep = max_to_keep
         self.directory = check_writable_dir(

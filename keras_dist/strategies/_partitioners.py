@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from keras_dist._checks import check_int
+
 __all__ = [
     "FixedShardsPartitioner",
     "MaxSizePartitioner",
@@ -155,11 +157,7 @@ class MaxSizePartitioner(Partitioner):
 
 
 def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}."
-        )
-    return int(value)
+    return check_int(value, name=name)
 
 
 def _check_shape(shape, axis: int) -> tuple[int, ...]:
