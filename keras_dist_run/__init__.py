@@ -1,7 +1,7 @@
 """`keras-dist-run`: start N local processes as one JAX cluster.
 
     keras-dist-run -n 2 [--devices-per-process 4] [--evaluator] train.py --epochs 3
-    python -m keras_dist.launch -n 2 train.py
+    python -m keras_dist_run -n 2 train.py
 
 Each process gets `KERAS_DIST_COORDINATOR` (a free loopback port),
 `KERAS_DIST_NUM_PROCESSES` and `KERAS_DIST_PROCESS_ID`, which

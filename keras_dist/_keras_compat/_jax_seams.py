@@ -1,0 +1,56 @@
+"""The private JAX names keras_dist uses, and the Keras hooks strategies override.
+
+Both are checked by `seams()` (with the private Keras names of `_SEAMS`): a
+JAX or Keras release that moves one fails at import with its name, instead
+of in the middle of training. `jax` is pinned to the minor release these
+were checked against (pyproject.toml).
+"""
+
+import importlib
+from typing import Any
+
+__all__ = ["CHECKED_JAX", "JAX_PRIVATE", "KERAS_HOOKS", "find"]
+
+CHECKED_JAX = "0.10"
+
+# (module, "Owner.name"): private JAX names used outside this package (the
+# cluster layer reads them before any device starts).
+JAX_PRIVATE: tuple = (
+    ("jax._src.distributed", "global_state"),  # .client: cluster/_initialize, _sync
+    ("jax._src.xla_bridge", "_backends"),  # cluster/_initialize
+    ("jax._src.clusters", "ClusterEnv._cluster_types"),  # cluster/_environment
+    ("jax._src.clusters.cloud_tpu_cluster", "GkeTpuCluster.is_env_present"),
+    ("jax._src.clusters.cloud_tpu_cluster", "GceTpuCluster.get_process_count"),
+    ("jax._src.clusters.cloud_tpu_cluster", "GceTpuCluster.get_process_id"),
+)
+
+# (module, "Owner.name"): public Keras methods the strategies override
+# (strategies/_base.py, _placement.py, _central_storage.py); Keras must
+# still have, and call, them.
+KERAS_HOOKS: tuple = (
+    ("keras.distribution", "DataParallel.distribute_dataset"),
+    ("keras.distribution", "DataParallel.get_variable_layout"),
+    ("keras.distribution", "DataParallel.scope"),
+    ("keras.distribution", "DataParallel.num_processes"),
+)
+
+_ABSENT = object()
+
+
+def _lookup(module_name: str, path: str) -> Any:
+    try:
+        owner = importlib.import_module(module_name)
+    except ImportError:
+        return _ABSENT
+    for name in path.split("."):
+        owner = getattr(owner, name, _ABSENT)
+        if owner is _ABSENT:
+            return _ABSENT
+    return owner
+
+
+def find(table: tuple) -> tuple[dict[str, Any], list[str]]:
+    """`{"module.path": object}` of `table`, and the names that are missing."""
+    found = {f"{module}.{path}": _lookup(module, path) for module, path in table}
+    missing = [name for name, value in found.items() if value is _ABSENT]
+    return {k: v for k, v in found.items() if v is not _ABSENT}, missing
