@@ -9,6 +9,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
+from keras_dist._checks import check_int
 from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
@@ -80,14 +81,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "`backup_dir` must name a directory. Received: "
                 f"backup_dir={backup_dir!r}."
             )
-        if save_freq != "epoch" and (
-            isinstance(save_freq, bool)
-            or not isinstance(save_freq, int)
-            or save_freq < 1
-        ):
-            raise ValueError(
-                '`save_freq` must be "epoch" or a positive int (steps). Received: '
-                f"save_freq={save_freq!r}."
+        if save_freq != "epoch":
+            save_freq = check_int(
+                save_freq, name="save_freq", meaning=' (steps) or "epoch"'
             )
         self.backup_dir = check_writable_dir(
             os.fspath(backup_dir), argument="backup_dir"

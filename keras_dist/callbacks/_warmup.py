@@ -4,6 +4,7 @@ import math
 
 import keras
 
+from keras_dist._checks import check_int
 from keras_dist.callbacks._lr_control import (
     check_rate,
     controlled,
@@ -64,12 +65,9 @@ class LearningRateWarmup(keras.callbacks.Callback):
             raise ValueError(
                 f'`scale` must be "linear", "sqrt" or None. Received: scale={scale!r}.'
             )
-        if base_batch_size is not None and (
-            not isinstance(base_batch_size, int) or base_batch_size <= 0
-        ):
-            raise ValueError(
-                "`base_batch_size` must be a positive int. Received: "
-                f"base_batch_size={base_batch_size!r}."
+        if base_batch_size is not None:
+            base_batch_size = check_int(
+                base_batch_size, name="base_batch_size", meaning=" or None"
             )
         self.warmup_epochs = warmup_epochs
         self.scale = scale

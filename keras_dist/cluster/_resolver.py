@@ -3,6 +3,7 @@
 import dataclasses
 import re
 
+from keras_dist._checks import check_int
 from keras_dist.errors import ClusterConfigError
 
 __all__ = [
@@ -89,15 +90,7 @@ def check_processes(coordinator_address, num_processes, process_id) -> None:
         ClusterConfigError: naming the argument and the value received.
     """
     parse_address(coordinator_address, where="`coordinator_address`")
-    if (
-        isinstance(num_processes, bool)
-        or not isinstance(num_processes, int)
-        or (num_processes < 1)
-    ):
-        raise ClusterConfigError(
-            "`num_processes` must be an int >= 1. Received: "
-            f"num_processes={num_processes!r}."
-        )
+    check_int(num_processes, name="num_processes", error=ClusterConfigError)
     if (
         isinstance(process_id, bool)
         or not isinstance(process_id, int)
