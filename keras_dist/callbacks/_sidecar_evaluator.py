@@ -7,6 +7,7 @@ import time
 
 import keras
 
+from keras_dist._checks import check_int
 from keras_dist.callbacks._checkpoint_watch import Checkpoint, CheckpointWatch
 from keras_dist.callbacks._files import atomic_write
 from keras_dist.callbacks._model_checkpoint import _write_json
@@ -103,14 +104,12 @@ class SidecarEvaluator:
                 f"and metrics). Received: model={model!r}. Call `model.compile(loss="
                 "..., metrics=[...])` first."
             )
-        for name, value in (("steps", steps), ("max_evaluations", max_evaluations)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(
-                    f"`{name}` must be a positive int or None. Received: "
-                    f"{name}={value!r}."
-                )
+        if steps is not None:
+            steps = check_int(steps, name="steps", meaning=" or None")
+        if max_evaluations is not None:
+            max_evaluations = check_int(
+                max_evaluations, name="max_evaluations", meaning=" or None"
+            )
         for name, value in (
             ("idle_timeout", idle_timeout),
             ("poll_interval", poll_interval),

@@ -158,8 +158,12 @@ def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"steps": 0}, ValueError, "`steps` must be a positive int or None. "),
-        ({"max_evaluations": 1.5}, ValueError, "max_evaluations=1.5"),
+        ({"steps": 0}, ValueError, r"`steps` must be an integer >= 1 or None\. "),
+        (
+            {"max_evaluations": 1.5},
+            ValueError,
+            r"max_evaluations=1\.5 \(of type float\)",
+        ),
         ({"idle_timeout": 0}, ValueError, "`idle_timeout` must be > 0 seconds"),
         ({"poll_interval": "1"}, ValueError, "poll_interval='1'"),
         ({"mode": "best"}, ValueError, "mode='best'"),
