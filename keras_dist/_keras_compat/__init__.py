@@ -15,7 +15,9 @@ API cannot express are done here, on Keras's JAX trainer
    `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
    first cuts a `PaddedBatch` back to its real rows, and wraps
    `JAXEpochIterator._enumerate_iterator` so a resumed `fit` replays its
-   input up to the backed-up step.
+   input up to the backed-up step. In-memory arrays (`ArrayDataAdapter`)
+   may instead be laid out on the mesh once, each step gathered on the
+   devices from the indices of Keras's own batching (`_array_input.py`).
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
    `*_on_batch` methods enter the scope of the strategy the model was built
    under when no scope is open (the tf.distribute tutorials call `fit`
@@ -124,6 +126,7 @@ STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_func
 _TRAINER = "keras.src.backend.jax.trainer"
 _CORE = "keras.src.backend.jax.core"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
+_ARRAYS = "keras.src.trainers.data_adapters"
 
 # Every private Keras name keras_dist uses, as (module, "Owner.name" or
 # "name", wrap): `install()` replaces it with `wrap(original)` and keeps the
@@ -178,6 +181,8 @@ _SEAMS: tuple = (
     ("keras.src.random.seed_generator", "draw_seed", None),
     ("keras.src.utils.rng_utils", "get_random_seed", None),
     ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
+    (_ARRAYS, "array_data_adapter.ArrayDataAdapter._get_iterator", None),
+    (_ARRAYS, "array_slicing.convert_to_sliceable", None),
 )
 
 

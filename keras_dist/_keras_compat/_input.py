@@ -5,7 +5,9 @@ replay of `_call.ResumePlan`). These functions only connect Keras's JAX
 trainer to it:
 
 - `_get_distributed_iterator`: each pass of `fit/evaluate/predict` is an
-  `InputPass` over the data adapter's batches.
+  `InputPass` over the data adapter's batches, or, for in-memory arrays the
+  strategy's `input_options` put on the mesh, a `ResidentPass` over the
+  indices of Keras's batches (`_array_input.py`).
 - `_distribute_data`: the single batch of `*_on_batch`.
 - `_jit` and `_make_function`: every step — compiled or eager, one batch or
   `steps_per_execution` of them — first cuts a `PaddedBatch` back to its real
@@ -23,6 +25,7 @@ from collections.abc import Callable
 import keras
 
 from keras_dist._keras_compat import _state_memory
+from keras_dist._keras_compat._array_input import resident_pass
 from keras_dist._keras_compat._processes import gathered_outputs
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist.data import _call
@@ -115,6 +118,9 @@ def _get_distributed_iterator(self, distribution):
             self, distribution
         )
     adapter = self.data_adapter
+    resident = resident_pass(adapter, distribution)
+    if resident is not None:  # In-memory arrays laid out on the mesh once.
+        return resident
     name = type(adapter).__name__
     return InputPass(
         distribution,

@@ -65,6 +65,10 @@ class CallState:
             of `training/_call_checks.py`); None: no check.
         validates: whether the call validates (`fit` with `validation_data`
             or `validation_split`); None if unknown.
+        resident: device-resident datasets laid out during the call, by the
+            id of the Keras data adapter they came from (kept with it), so
+            every pass over one adapter reuses one layout
+            (`_resident.py`); shared with nested calls through `root`.
     """
 
     method: str
@@ -76,6 +80,7 @@ class CallState:
     resume: ResumePlan | None = None
     check_batch: Callable[[Any, int], None] | None = None
     validates: bool | None = None
+    resident: dict = dataclasses.field(default_factory=dict)
     _closers: list = dataclasses.field(default_factory=list)
 
     @property

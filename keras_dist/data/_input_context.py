@@ -95,19 +95,47 @@ class InputContext:
 
 @dataclasses.dataclass(frozen=True)
 class InputOptions:
-    """Options of distributed datasets, as `tf.distribute.InputOptions`.
+    """Input options, as `tf.distribute.InputOptions`.
+
+    Passed to `experimental_distribute_dataset`, or set on a strategy
+    (`strategy.input_options = kd.InputOptions(...)`) for the input of
+    `fit`/`evaluate`/`predict`.
 
     Args:
         experimental_fetch_to_device: copy batches to the devices ahead of
             time on a background thread. Defaults to `True`.
         experimental_per_replica_buffer_size: how many batches to keep ready
             ahead of the step (>= 1). Defaults to 1.
+        device_resident: for in-memory arrays (NumPy, `jax.Array`) given to
+            `fit`/`evaluate`/`predict`: lay the whole dataset out on the mesh
+            once (rows split over the replicas) and gather each step's batch
+            on the devices from an index vector, in the order Keras's
+            shuffle gives. `True`: always, `False`: never, `None` (default):
+            when the dataset takes at most `device_resident_budget` bytes per
+            device. With several processes the option is ignored (batches
+            are laid out step by step).
+        device_resident_budget: bytes per device (the dataset's bytes over
+            the replica count) up to which `device_resident=None` lays the
+            dataset out on the mesh. Defaults to 256 MiB.
     """
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 1
+    device_resident: bool | None = None
+    device_resident_budget: int = 256 * 2**20
 
     def __post_init__(self):
+        budget = self.device_resident_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(
+                "`device_resident_budget` must be an int >= 0 (bytes per "
+                f"device). Received: device_resident_budget={budget!r}."
+            )
+        if self.device_resident not in (None, True, False):
+            raise ValueError(
+                "`device_resident` must be True, False or None (automatic). "
+                f"Received: device_resident={self.device_resident!r}."
+            )
         size = self.experimental_per_replica_buffer_size
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(

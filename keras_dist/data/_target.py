@@ -8,6 +8,8 @@ per-pass iterator seam). What it may use is declared here; every keras_dist
 
 from typing import Any, Protocol
 
+from keras_dist.data._input_context import InputOptions
+
 __all__ = ["InputTarget"]
 
 
@@ -35,3 +37,10 @@ class InputTarget(Protocol):
 
     def shard(self, data: Any, rows: int | None = None) -> Any:
         """Lays this process's (padded) rows out over the mesh."""
+
+    @property
+    def input_options(self) -> InputOptions:
+        """How `fit`/`evaluate`/`predict` bring their input to the devices."""
+
+    def take_rows(self, dataset: list, indices: Any) -> list:
+        """Rows `indices` of arrays `shard` laid out, gathered on the devices."""

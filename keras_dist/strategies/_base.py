@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
+from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
@@ -57,6 +58,7 @@ class Strategy(Placement, keras.distribution.DataParallel):
         self._row_ranges: dict[int, slice] = {}
         # ids of the batches `shard` laid out, while they live (`_placement`).
         self._laid_out_batches: dict[int, None] = {}
+        self._input_options = InputOptions()
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -72,6 +74,24 @@ class Strategy(Placement, keras.distribution.DataParallel):
     def mesh(self) -> jax.sharding.Mesh:
         """The 1-D `jax.sharding.Mesh` (axis `"batch"`) of this strategy."""
         return self.device_mesh.backend_mesh
+
+    @property
+    def input_options(self) -> InputOptions:
+        """How `fit`/`evaluate`/`predict` bring their input to the devices.
+
+        A `kd.InputOptions`; e.g. `device_resident` for in-memory arrays.
+        """
+        return self._input_options
+
+    @input_options.setter
+    def input_options(self, options: InputOptions) -> None:
+        if not isinstance(options, InputOptions):
+            raise TypeError(
+                "`input_options` must be a `kd.InputOptions`. Received: "
+                f"input_options={options!r}. Use e.g. "
+                "`strategy.input_options = kd.InputOptions(device_resident=True)`."
+            )
+        self._input_options = options
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:

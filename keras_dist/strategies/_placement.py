@@ -8,6 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard, _sparse
+from keras_dist.strategies._take_rows import take_rows
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -146,6 +147,23 @@ class Placement:
         if self._shards_state():
             self._remember_batches(placed)
         return jax.tree.unflatten(treedef, placed)
+
+    def take_rows(self, dataset: list, indices) -> list:
+        """Rows `indices` of arrays laid out by `shard`, gathered on the devices.
+
+        Args:
+            dataset: arrays `shard` laid out (one process), rows split over
+                the replicas.
+            indices: int32 row indices, as many as a multiple of
+                `num_replicas_in_sync`; -1 gives a row of zeros (padding).
+
+        Returns:
+            The global batches, laid out as `shard` lays out a batch.
+        """
+        placed = take_rows(self.mesh, dataset, indices)
+        if self._shards_state():
+            self._remember_batches(placed)
+        return placed
 
     def distribute_dataset(self, dataset):
         """Keras's hook for tf.data inputs of fit/evaluate/predict.

@@ -1,0 +1,93 @@
+"""Keras's in-memory array input as a device-resident dataset (`data/_resident.py`).
+
+Reads the private parts of Keras's `ArrayDataAdapter` that the public API
+does not show: its arrays (`_inputs`, converted as Keras converts them for
+JAX, `array_slicing.convert_to_sliceable`) and its batching
+(`_get_iterator`), which is run with a slicing function that returns the
+indices instead of the rows. So the index batches are Keras's own: the same
+`np.random.permutation` calls at the same moments for `shuffle=True` and
+`"batch"`, the same partial last batch.
+"""
+
+from typing import Any
+
+import jax
+import keras
+import numpy as np
+from keras.src import tree
+from keras.src.trainers.data_adapters import array_slicing
+
+from keras_dist.data import _call
+from keras_dist.data._resident import (
+    ResidentPass,
+    lay_out_resident,
+    wants_resident,
+)
+from keras_dist.data._target import InputTarget
+
+__all__ = ["resident_pass"]
+
+_ARRAY_ADAPTER = "ArrayDataAdapter"
+# Stands for the whole input in `_get_iterator`: one leaf, so each batch is
+# the slicing function's result for it (the indices).
+_ONE_LEAF = object()
+
+
+def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
+    """A pass over `adapter` gathered on the devices, or None for the host path."""
+    if type(adapter).__name__ != _ARRAY_ADAPTER or strategy.num_processes > 1:
+        return None
+    options = strategy.input_options
+    leaves = [leaf for leaf in tree.flatten(adapter._inputs) if leaf is not None]
+    if options.device_resident is False or not all(map(_is_dense, leaves)):
+        return None
+    call = _call.active()
+    cache = call.root.resident if call is not None else {}
+    found = cache.get(id(adapter))
+    if found is None:
+        total = sum(_bytes_of(leaf) for leaf in leaves)
+        if not wants_resident(options, total, strategy.num_replicas_in_sync):
+            return None
+        rows = _rows(adapter)
+        if call is not None and call.check_batch is not None:
+            call.check_batch(rows, 0)  # What the host path checks batch by batch.
+        found = (adapter, lay_out_resident(strategy, rows))
+        cache[id(adapter)] = found
+    return ResidentPass(strategy, found[1], _index_batches(adapter), call=call)
+
+
+def _is_dense(leaf: Any) -> bool:
+    """A NumPy or dense JAX array of numbers, with rows."""
+    if isinstance(leaf, jax.Array):
+        return leaf.ndim > 0
+    return isinstance(leaf, np.ndarray) and leaf.ndim > 0 and leaf.dtype.kind in "biufc"
+
+
+def _bytes_of(leaf: Any) -> int:
+    """Bytes of `leaf` on the devices: floats are cast to `floatx` (as Keras)."""
+    dtype = np.dtype(leaf.dtype)
+    if dtype.kind == "f":
+        dtype = np.dtype(keras.backend.floatx())
+    return int(np.prod(leaf.shape)) * dtype.itemsize
+
+
+def _rows(adapter: Any) -> Any:
+    """Every row of the adapter's input, as its batches have them."""
+    sliceables = array_slicing.convert_to_sliceable(
+        adapter._inputs, target_backend="jax"
+    )
+    everything = slice(0, adapter._num_samples)
+    return tree.map_structure(
+        lambda s: s.convert_to_jax_compatible(s[everything]),
+        sliceables,
+        none_is_leaf=False,
+    )
+
+
+def _index_batches(adapter: Any):
+    """Keras's batches of the adapter, as row indices (a slice or an array)."""
+    return adapter._get_iterator(_indices_only, _ONE_LEAF)
+
+
+def _indices_only(leaf: Any, indices: Any = None) -> Any:
+    return indices

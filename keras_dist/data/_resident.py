@@ -1,0 +1,127 @@
+"""Device-resident input: a dataset laid out on the mesh once, batches by index.
+
+For in-memory arrays given to `fit`/`evaluate`/`predict`, laying every batch
+out from the host (`_pipeline.InputPass`: slice rows, pad, transfer) is the
+per-step host work of a small model. When the strategy's
+`input_options.device_resident` allows it (by default: when the dataset takes
+at most `device_resident_budget` bytes per device), the whole dataset is laid
+out once instead — padded with zero rows to a multiple of the replicas, its
+rows split over them (`Strategy.shard`) — and each step sends only the
+step's row indices: the devices gather the global batch themselves
+(`Strategy.take_rows`).
+
+The indices are the ones Keras's own batching gives for the same call (the
+same shuffle, the same NumPy random draws at the same moments; computed by
+the seam that reads Keras's adapter), so the batches are, row for row, those
+of the host path. A partial batch is padded as on the host path (index -1:
+zero rows) and travels as a `PaddedBatch` that the step cuts.
+"""
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from keras_dist.data._call import CallState
+from keras_dist.data._input_context import InputOptions
+from keras_dist.data._partial_batch import (
+    as_padded_batch,
+    batch_size_of,
+    pad_rows,
+    round_up,
+)
+from keras_dist.data._target import InputTarget
+
+__all__ = ["ResidentData", "ResidentPass", "lay_out_resident", "wants_resident"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentData:
+    """A dataset laid out on the mesh: its arrays, structure and real rows."""
+
+    arrays: list
+    treedef: Any
+    rows: int
+
+
+def wants_resident(options: InputOptions, total_bytes: int, replicas: int) -> bool:
+    """Whether a dataset of `total_bytes` goes on the mesh under `options`."""
+    if options.device_resident is not None:
+        return options.device_resident
+    return -(-total_bytes // replicas) <= options.device_resident_budget
+
+
+def lay_out_resident(strategy: InputTarget, data: Any) -> ResidentData:
+    """Lays `data` (a pytree of host arrays, rows first) out over the replicas."""
+    rows = batch_size_of(data) or 0
+    padded, _ = pad_rows(data, strategy.num_replicas_in_sync)
+    arrays, treedef = jax.tree.flatten(strategy.shard(padded))
+    return ResidentData(arrays, treedef, rows)
+
+
+class ResidentPass:
+    """One pass over a `ResidentData`: Keras batches gathered on the devices.
+
+    Args:
+        strategy: where the dataset lives.
+        resident: the dataset.
+        index_batches: the row indices of each batch of the pass (a `slice`
+            or an integer array), in Keras's order.
+        call: the running call (batch size, input timings), or None.
+    """
+
+    def __init__(
+        self,
+        strategy: InputTarget,
+        resident: ResidentData,
+        index_batches: Iterator[Any],
+        *,
+        call: CallState | None,
+    ):
+        self._strategy = strategy
+        self._resident = resident
+        self._indices = iter(index_batches)
+        self._call = call
+        self._first = True
+
+    def skip(self, count: int) -> int:
+        """Passes over `count` batches (a resumed `fit`); returns how many."""
+        for done in range(count):
+            if next(self._indices, None) is None:
+                return done
+        return count
+
+    def __iter__(self) -> "ResidentPass":
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        indices = _as_indices(next(self._indices), self._resident.rows)
+        size = len(indices)
+        padded = round_up(size, self._strategy.num_replicas_in_sync)
+        if padded != size:
+            indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
+        arrays = self._strategy.take_rows(self._resident.arrays, indices)
+        batch = as_padded_batch(
+            jax.tree.unflatten(self._resident.treedef, arrays),
+            size if padded != size else None,
+        )
+        if self._call is not None:
+            if self._first:
+                self._call.observe_batch_size(size)
+            seconds = time.perf_counter() - start
+            self._call.input_stats.record(seconds, first=self._first)
+        self._first = False
+        return batch
+
+    def close(self) -> None:
+        """Nothing to stop (no thread); as `InputPass.close`."""
+
+
+def _as_indices(indices: Any, rows: int) -> np.ndarray:
+    if isinstance(indices, slice):
+        return np.arange(*indices.indices(rows), dtype=np.int32)
+    return np.asarray(indices, dtype=np.int32)

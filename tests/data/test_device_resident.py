@@ -1,0 +1,193 @@
+"""Device-resident input: in-memory arrays laid out on the mesh once.
+
+With `kd.InputOptions(device_resident=True)` each step's batch is gathered on
+the devices from Keras's row indices; the numbers must be those of the host
+path (`device_resident=False`) and of plain Keras, for every shuffle mode,
+partial batches (37 rows, batch 10, 8 replicas), sample weights,
+validation_split, steps_per_execution, eager steps and a resumed fit.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from keras_dist.data import _call
+from tests._helpers import (
+    assert_history_close,
+    assert_weights_close,
+    build_in_scope,
+    compile_model,
+    initial_weights,
+    make_data,
+    make_model,
+    mirrored,
+)
+
+X, Y, SW = make_data(37)
+WEIGHTS = initial_weights()
+
+
+class _Resident(keras.callbacks.Callback):
+    """Counts the datasets laid out on the mesh in the running call."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def _record(self, name):
+        self.counts[name] = len(_call.active().root.resident)
+
+    def on_train_end(self, logs=None):
+        self._record("fit")
+
+    def on_test_end(self, logs=None):
+        self._record("evaluate")
+
+    def on_predict_end(self, logs=None):
+        self._record("predict")
+
+
+def _model(resident, **compile_kwargs):
+    if resident is None:
+        model = compile_model(make_model())
+        model.set_weights(WEIGHTS)
+    else:
+        strategy = mirrored(8)
+        strategy.input_options = kd.InputOptions(device_resident=resident)
+        model = build_in_scope(strategy, WEIGHTS)
+    if compile_kwargs:
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            **compile_kwargs,
+        )
+    return model
+
+
+def _run(resident, shuffle, spy=None, **compile_kwargs):
+    """fit (3 epochs, validation_split), evaluate and predict: all results."""
+    keras.utils.set_random_seed(7)
+    model = _model(resident, **compile_kwargs)
+    callbacks = [spy] if spy else []
+    history = model.fit(
+        X,
+        Y,
+        sample_weight=SW,
+        batch_size=10,
+        epochs=3,
+        shuffle=shuffle,
+        validation_split=0.2,
+        callbacks=callbacks,
+        verbose=0,
+    ).history
+    scores = model.evaluate(X, Y, batch_size=10, callbacks=callbacks, verbose=0)
+    outputs = model.predict(X, batch_size=10, callbacks=callbacks, verbose=0)
+    return history, scores, outputs, model.get_weights()
+
+
+def _assert_same(expected, actual):
+    assert_history_close(expected[0], actual[0])
+    np.testing.assert_allclose(actual[1], expected[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(actual[2], expected[2], rtol=1e-5, atol=1e-6)
+    assert_weights_close(expected[3], actual[3])
+
+
+@pytest.mark.parametrize("shuffle", [False, True, "batch"])
+def test_resident_equals_host_path_and_keras(shuffle):
+    spy = _Resident()
+    resident = _run(True, shuffle, spy)
+    # The training and the validation split, then one dataset per call.
+    assert spy.counts == {"fit": 2, "evaluate": 1, "predict": 1}
+    host = _run(False, shuffle)
+    for got, want in zip(resident, host, strict=True):  # Bit-identical.
+        np.testing.assert_equal(got, want)
+    _assert_same(_run(None, shuffle), resident)
+
+
+@pytest.mark.parametrize(
+    "mode", [{"steps_per_execution": 3}, {"run_eagerly": True}], ids=str
+)
+def test_resident_execution_modes_equal_keras(mode):
+    spy = _Resident()
+    resident = _run(True, True, spy, **mode)
+    assert spy.counts["fit"] == 2
+    _assert_same(_run(None, True, **mode), resident)
+
+
+def _fit_counts(options, x):
+    strategy = mirrored(8)
+    if options is not None:
+        strategy.input_options = options
+    model = build_in_scope(strategy, WEIGHTS)
+    spy = _Resident()
+    model.fit(x, Y[: len(x)], batch_size=10, epochs=1, callbacks=[spy], verbose=0)
+    return spy.counts["fit"]
+
+
+def test_the_budget_decides_by_bytes_per_device():
+    # 37 rows of 6 float32 and an int32 label: 1036 bytes, 130 per device.
+    assert _fit_counts(None, X) == 1  # Default: 256 MiB per device.
+    assert _fit_counts(kd.InputOptions(device_resident_budget=130), X) == 1
+    assert _fit_counts(kd.InputOptions(device_resident_budget=129), X) == 0
+    forced = kd.InputOptions(device_resident=True, device_resident_budget=0)
+    assert _fit_counts(forced, X) == 1
+    assert _fit_counts(kd.InputOptions(device_resident=False), X) == 0
+
+
+def test_float64_counts_as_floatx():
+    # Keras casts float64 input to float32 before it reaches the devices.
+    options = kd.InputOptions(device_resident_budget=130)
+    assert _fit_counts(options, X.astype("float64")) == 1
+
+
+def test_input_options_are_checked():
+    with pytest.raises(ValueError, match="device_resident_budget=-1"):
+        kd.InputOptions(device_resident_budget=-1)
+    with pytest.raises(ValueError, match="device_resident='yes'"):
+        kd.InputOptions(device_resident="yes")
+    with pytest.raises(TypeError, match=r"input_options=\{'device_resident'"):
+        mirrored(2).input_options = {"device_resident": True}
+
+
+class _Interrupt(keras.callbacks.Callback):
+    """Raises after global step `at` (as a crash would, mid-epoch)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
+            raise RuntimeError(f"interrupted at step {self.at}")
+
+
+def _resumable_fit(model, *callbacks):
+    keras.utils.set_random_seed(11)
+    return model.fit(
+        X,
+        Y,
+        batch_size=10,
+        epochs=3,
+        shuffle=True,
+        callbacks=list(callbacks),
+        verbose=0,
+    )
+
+
+def test_backup_and_restore_resumes_exactly(tmp_path, capsys):
+    backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
+    with pytest.raises(RuntimeError, match="interrupted at step 6"):
+        _resumable_fit(_model(True), backup, _Interrupt(6))
+    spy = _Resident()
+    model = _model(True)
+    history = _resumable_fit(
+        model, kd.callbacks.BackupAndRestore(tmp_path), spy
+    ).history
+    assert "resuming at epoch 2, step 2" in capsys.readouterr().out
+    assert spy.counts["fit"] == 1
+    expected = _model(True)
+    expected_history = _resumable_fit(expected).history
+    np.testing.assert_equal(model.get_weights(), expected.get_weights())
+    assert history["loss"] == expected_history["loss"][1:]
