@@ -1,7 +1,8 @@
 """2 workers train with ModelCheckpoint; the evaluator (keras-dist-run
 --evaluator) runs a SidecarEvaluator on their checkpoints.
 
-Args: a work directory. The evaluator writes `evaluations.json` and `eval.csv`.
+Args: a work directory. The evaluator writes `evaluations.json` and `eval.csv`
+(with KD_EVALUATOR_FAILS set it raises at once instead).
 """
 
 import json
@@ -19,6 +20,8 @@ workdir = sys.argv[1]
 resolver = kd.cluster.resolve()
 if resolver.task_type == "evaluator":
     kd.cluster.initialize()  # Joins nothing: the evaluator runs locally.
+    if os.environ.get("KD_EVALUATOR_FAILS"):
+        raise RuntimeError("the evaluator fails on purpose")
     from tests.callbacks.test_sidecar_evaluator import XV, YV, _evaluator_model
 
     evaluator = kd.callbacks.SidecarEvaluator(

@@ -202,16 +202,20 @@ def test_a_tf_config_evaluator_runs_locally_instead_of_joining():
     assert strategy.cluster_resolver.task_type == "evaluator"
 
 
-@pytest.mark.slow
-def test_keras_dist_run_evaluator_beside_two_workers(tmp_path):
+def _launch_with_evaluator(workdir, env=None):
     script = pathlib.Path(__file__).with_name("sidecar_script.py")
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
     command = [sys.executable, "-m", "keras_dist.launch", "-n", "2", "--evaluator"]
-    command += ["--devices-per-process", "2", str(script), str(tmp_path)]
-    result = subprocess.run(
+    command += ["--devices-per-process", "2", str(script), str(workdir)]
+    return subprocess.run(
         command, env=environ, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.mark.slow
+def test_keras_dist_run_evaluator_beside_two_workers(tmp_path):
+    result = _launch_with_evaluator(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "[evaluator] keras_dist: this process is the evaluator" in result.stderr
     assert "[0] keras_dist: joining as process 0 of 2" in result.stderr
@@ -223,3 +227,16 @@ def test_keras_dist_run_evaluator_beside_two_workers(tmp_path):
             np.testing.assert_allclose(record["metrics"][name], value, rtol=1e-6)
     with open(tmp_path / "eval.csv") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_failing_evaluator_does_not_stop_training(tmp_path):
+    result = _launch_with_evaluator(tmp_path, {"KD_EVALUATOR_FAILS": "1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (
+        "keras-dist-run: the evaluator exited with status 1; training goes on."
+        in result.stderr
+    )
+    assert "[0] rank 0 trained" in result.stdout
+    assert "[1] rank 1 trained" in result.stdout
+    assert (tmp_path / "ckpts" / "ckpt_3.weights.h5").exists()
