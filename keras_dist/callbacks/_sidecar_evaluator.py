@@ -79,6 +79,7 @@ class SidecarEvaluator:
 
     Raises:
         ValueError: for a model that is not compiled or a bad option.
+        TypeError: for seconds that are not a number.
         TimeoutError: (from `start`) if no checkpoint at all appeared within
             `idle_timeout` seconds.
     """
@@ -110,22 +111,8 @@ class SidecarEvaluator:
             max_evaluations = check_int(
                 max_evaluations, name="max_evaluations", meaning=" or None"
             )
-        for name, value in (
-            ("idle_timeout", idle_timeout),
-            ("poll_interval", poll_interval),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(
-                    f"`{name}` must be a number of seconds. Received: {name}={value!r}."
-                )
-            if value <= 0:
-                raise ValueError(
-                    f"`{name}` must be > 0 seconds. Received: {name}={value!r}."
-                )
-        if mode not in ("auto", "min", "max"):
-            raise ValueError(
-                f'`mode` must be "auto", "min" or "max". Received: mode={mode!r}.'
-            )
+        _check_seconds("idle_timeout", idle_timeout)
+        _check_seconds("poll_interval", poll_interval)
         self.model = model
         self.data = data
         self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
@@ -135,9 +122,7 @@ class SidecarEvaluator:
             list(callbacks or []), model=model
         )
         self.monitor = monitor
-        if mode == "auto":
-            mode = "max" if any(k in monitor for k in _MAX_MODES) else "min"
-        self.mode = mode
+        self.mode = _resolve_mode(mode, monitor)
         if best_dir == "default":
             best_dir = os.path.join(self.checkpoint_dir, "best")
         self.best_dir = None if best_dir is None else os.fspath(best_dir)
@@ -259,3 +244,23 @@ class SidecarEvaluator:
             os.path.join(self.best_dir, "best.json"),
             lambda p: _write_json(p, summary),
         )
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(
+            f"`{name}` must be a number of seconds. Received: {name}={value!r} "
+            f"of type {type(value).__name__}."
+        )
+    if not value > 0:
+        raise ValueError(f"`{name}` must be > 0 seconds. Received: {name}={value!r}.")
+
+
+def _resolve_mode(mode: str, monitor: str) -> str:
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(
+            f'`mode` must be "auto", "min" or "max". Received: mode={mode!r}.'
+        )
+    if mode == "auto":
+        return "max" if any(k in monitor for k in _MAX_MODES) else "min"
+    return mode

@@ -165,7 +165,7 @@ def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
             r"max_evaluations=1\.5 \(of type float\)",
         ),
         ({"idle_timeout": 0}, ValueError, "`idle_timeout` must be > 0 seconds"),
-        ({"poll_interval": "1"}, ValueError, "poll_interval='1'"),
+        ({"poll_interval": "1"}, TypeError, "poll_interval='1' of type str"),
         ({"mode": "best"}, ValueError, "mode='best'"),
     ],
 )
