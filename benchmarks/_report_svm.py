@@ -32,6 +32,16 @@ def _header(payload: dict) -> list:
         "alternating configurations; a run's sample is the median ms/step of "
         "its timed epochs; median and min-max over the runs.",
     ]
+    crashed = [
+        f"{r['model']} {r['config']} x{r['crashed_runs']}"
+        for r in payload["rows"] + payload["scaling_rows"]
+        if r.get("crashed_runs")
+    ]
+    if crashed:
+        out.append(
+            "Runs that crashed (XLA CPU collective timeout under load) and were "
+            "run again: " + ", ".join(crashed) + "."
+        )
     if payload["repeats"] < 5:
         out.append(f"Only {payload['repeats']} runs per configuration: indicative.")
     return [*out, ""]

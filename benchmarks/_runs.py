@@ -84,6 +84,7 @@ def combine_runs(runs: list) -> dict:
         ms_max=max(times),
         first_epoch_s=statistics.median(r["first_epoch_s"] for r in runs),
         peak_rss_mb=max(r["peak_rss_mb"] for r in runs),
+        crashed_runs=sum(r.get("crashed_runs", 0) for r in runs),
         runs=runs,
     )
     return row
