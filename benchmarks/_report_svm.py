@@ -32,6 +32,12 @@ def _header(payload: dict) -> list:
         "alternating configurations; a run's sample is the median ms/step of "
         "its timed epochs; median and min-max over the runs.",
     ]
+    if payload.get("input") == "host":
+        out.append(
+            "keras_dist fit (A, B, B32) with `--input host`: "
+            "`InputOptions(device_resident=False)`, each batch laid out from "
+            "the host."
+        )
     crashed = [
         f"{r['model']} {r['config']} x{r['crashed_runs']}"
         for r in payload["rows"] + payload["scaling_rows"]

@@ -35,6 +35,7 @@ from _runs import force_host_devices, print_result
 CONFIG, MODEL = sys.argv[1], sys.argv[2]
 DEVICES, STEPS, EPOCHS, BATCH = (int(v) for v in sys.argv[3:7])
 PLATFORM = force_host_devices(8)
+INPUT_ENV = "KD_BENCH_INPUT"  # "host": keras_dist fit without device-resident input
 os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
 
 import numpy as np  # noqa: E402
@@ -145,6 +146,8 @@ def run_keras_fit():
         strategy = kd.MirroredStrategy(list(devices))
     else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
+    if CONFIG in ("A", "B", "B32") and os.environ.get(INPUT_ENV) == "host":
+        strategy.input_options = kd.InputOptions(device_resident=False)
     report, extra = None, ()
     if CONFIG not in ("C", "C0"):
         report = kd.utils.ScalingReport(print_summary=False)

@@ -70,6 +70,13 @@ def _parser():
         default=None,
         help="device counts for B ('' off; default 1,2,4,8, quick: off)",
     )
+    p.add_argument(
+        "--input",
+        default="default",
+        choices=["default", "host"],
+        help="keras_dist fit (A, B, B32) input: its default, or the host path "
+        "(InputOptions(device_resident=False))",
+    )
     p.add_argument("--note", default="", help="free text for the results header")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
@@ -218,6 +225,7 @@ def main(argv=None) -> dict:
     jobs = [(c, m, args.devices) for m in models for c in configs]
     counts = [int(v) for v in args.scaling.split(",") if v]
     jobs += [("B", scaling_model, n) for n in counts if n != args.devices]
+    os.environ["KD_BENCH_INPUT"] = args.input
     load = os.getloadavg()[0]
     start = datetime.datetime.now(datetime.UTC)
     results = _run_all(args, jobs)
@@ -237,6 +245,7 @@ def main(argv=None) -> dict:
         "machine": machine(args.platform, args.devices),
         "load_average": [load, os.getloadavg()[0]],
         "note": args.note,
+        "input": args.input,
         "python": platform.python_version(),
         "quick": args.quick,
         "steps": args.steps_of,
