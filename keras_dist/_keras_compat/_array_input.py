@@ -46,7 +46,7 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
     found = cache.get(id(adapter))
     if found is None:
         total = sum(_bytes_of(leaf) for leaf in leaves)
-        if not wants_resident(options, total, strategy.num_replicas_in_sync):
+        if not wants_resident(options, total):
             return None
         rows = _rows(adapter)
         if call is not None and call.check_batch is not None:

@@ -107,21 +107,21 @@ class InputOptions:
         experimental_per_replica_buffer_size: how many batches to keep ready
             ahead of the step (>= 1). Defaults to 1.
         device_resident: for in-memory arrays (NumPy, `jax.Array`) given to
-            `fit`/`evaluate`/`predict`: lay the whole dataset out on the mesh
-            once (rows split over the replicas) and gather each step's batch
-            on the devices from an index vector, in the order Keras's
-            shuffle gives. `True`: always, `False`: never, `None` (default):
-            when the dataset takes at most `device_resident_budget` bytes per
-            device. With several processes the option is ignored (batches
-            are laid out step by step).
-        device_resident_budget: bytes per device (the dataset's bytes over
-            the replica count) up to which `device_resident=None` lays the
-            dataset out on the mesh. Defaults to 256 MiB.
+            `fit`/`evaluate`/`predict`: copy the whole dataset to every
+            device once and gather each step's batch on the devices from an
+            index vector, in the order Keras's shuffle gives (same numbers).
+            `True`: always, `None`: when the dataset takes at most
+            `device_resident_budget` bytes, `False` (default): never. With
+            several processes it is ignored (batches are laid out step by
+            step, on a background thread).
+        device_resident_budget: bytes (of the whole dataset, which every
+            device holds) up to which `device_resident=None` keeps it on
+            the devices. Defaults to 256 MiB.
     """
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 1
-    device_resident: bool | None = None
+    device_resident: bool | None = False
     device_resident_budget: int = 256 * 2**20
 
     def __post_init__(self):

@@ -4,11 +4,10 @@ For in-memory arrays given to `fit`/`evaluate`/`predict`, laying every batch
 out from the host (`_pipeline.InputPass`: slice rows, pad, transfer) is the
 per-step host work of a small model. When the strategy's
 `input_options.device_resident` allows it (by default: when the dataset takes
-at most `device_resident_budget` bytes per device), the whole dataset is laid
-out once instead — padded with zero rows to a multiple of the replicas, its
-rows split over them (`Strategy.shard`) — and each step sends only the
-step's row indices: the devices gather the global batch themselves
-(`Strategy.take_rows`).
+at most `device_resident_budget` bytes), the whole dataset is copied to every
+device once instead (`Strategy.place_dataset`), and each step sends only the
+step's row indices: each replica gathers its rows of the global batch from
+its own copy, with no communication (`Strategy.take_rows`).
 
 The indices are the ones Keras's own batching gives for the same call (the
 same shuffle, the same NumPy random draws at the same moments; computed by
@@ -30,7 +29,6 @@ from keras_dist.data._input_context import InputOptions
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
-    pad_rows,
     round_up,
 )
 from keras_dist.data._target import InputTarget
@@ -47,18 +45,17 @@ class ResidentData:
     rows: int
 
 
-def wants_resident(options: InputOptions, total_bytes: int, replicas: int) -> bool:
-    """Whether a dataset of `total_bytes` goes on the mesh under `options`."""
+def wants_resident(options: InputOptions, total_bytes: int) -> bool:
+    """Whether a dataset of `total_bytes` goes to the devices under `options`."""
     if options.device_resident is not None:
         return options.device_resident
-    return -(-total_bytes // replicas) <= options.device_resident_budget
+    return total_bytes <= options.device_resident_budget
 
 
 def lay_out_resident(strategy: InputTarget, data: Any) -> ResidentData:
-    """Lays `data` (a pytree of host arrays, rows first) out over the replicas."""
+    """Copies `data` (a pytree of host arrays, rows first) to every device."""
     rows = batch_size_of(data) or 0
-    padded, _ = pad_rows(data, strategy.num_replicas_in_sync)
-    arrays, treedef = jax.tree.flatten(strategy.shard(padded))
+    arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
     return ResidentData(arrays, treedef, rows)
 
 

@@ -42,5 +42,8 @@ class InputTarget(Protocol):
     def input_options(self) -> InputOptions:
         """How `fit`/`evaluate`/`predict` bring their input to the devices."""
 
+    def place_dataset(self, data: Any) -> Any:
+        """Copies a whole dataset to every device (one process), for `take_rows`."""
+
     def take_rows(self, dataset: list, indices: Any) -> list:
-        """Rows `indices` of arrays `shard` laid out, gathered on the devices."""
+        """Rows `indices` of a placed dataset, gathered on the devices."""

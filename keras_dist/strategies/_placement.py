@@ -148,12 +148,18 @@ class Placement:
             self._remember_batches(placed)
         return jax.tree.unflatten(treedef, placed)
 
+    def place_dataset(self, data: Any) -> Any:
+        """Copies a whole dataset (a pytree of host arrays) to every device.
+
+        For `take_rows`; one process only.
+        """
+        return jax.tree.map(lambda leaf: self._replicate(_as_array(leaf)), data)
+
     def take_rows(self, dataset: list, indices) -> list:
-        """Rows `indices` of arrays laid out by `shard`, gathered on the devices.
+        """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
 
         Args:
-            dataset: arrays `shard` laid out (one process), rows split over
-                the replicas.
+            dataset: arrays `place_dataset` placed.
             indices: int32 row indices, as many as a multiple of
                 `num_replicas_in_sync`; -1 gives a row of zeros (padding).
 

@@ -1,15 +1,16 @@
-"""Rows of a dataset laid out on the mesh, gathered on the devices by index.
+"""Rows of a dataset copied to every device, gathered on the devices by index.
 
-A device-resident dataset (`keras_dist/data/_resident.py`) is laid out once
-with its rows split over the replicas: replica `r` holds rows
-`r * m ... (r + 1) * m - 1`. A step's global batch is the rows named by an
-index vector, which every device receives whole (a few bytes a row). Each
-device takes the requested rows it holds, zeros elsewhere, and one
-reduce-scatter over the batch axis gives every replica its share of the
-batch: replica `r` gets batch rows `r * b ... (r + 1) * b - 1`, the layout of
-`shard`. Each value is the sum of itself and zeros, so the batch is exactly
-the rows, bit for bit. An index of -1 (or any index outside the dataset)
+A device-resident dataset (`keras_dist/data/_resident.py`) is copied once to
+every device of the mesh. A step's global batch is the rows named by an index
+vector; replica `r` receives its share of the vector (a few bytes a row) and
+takes its rows from its own copy: batch rows `r * b ... (r + 1) * b - 1`, the
+layout of `shard`, with no communication between devices. An index of -1
 gives a row of zeros: the padding of a partial batch.
+
+The gather has no collective on purpose: on a CPU with virtual devices, a
+second program with a collective in flight next to the step's all-reduce was
+seen to deadlock XLA's rendezvous (a layout with rows split over the
+replicas needs one).
 """
 
 import functools
@@ -24,14 +25,12 @@ __all__ = ["take_rows"]
 _AXIS = "batch"
 
 
-def take_rows(
-    mesh: Mesh, dataset: Sequence[jax.Array], indices: jax.Array
-) -> list[jax.Array]:
+def take_rows(mesh: Mesh, dataset: Sequence[jax.Array], indices) -> list[jax.Array]:
     """The rows `indices` of each array of `dataset`, split over `mesh`.
 
     Args:
-        mesh: the 1-D mesh (axis `"batch"`) the arrays are split over.
-        dataset: arrays split along their first axis over `mesh`.
+        mesh: the 1-D mesh (axis `"batch"`).
+        dataset: arrays replicated on every device of `mesh`.
         indices: int32 row indices, a multiple of the mesh size in length.
     """
     return _taker(mesh)(list(dataset), indices)
@@ -42,26 +41,17 @@ def _taker(mesh: Mesh) -> Callable:
     mapped = jax.shard_map(
         _take_local,
         mesh=mesh,
-        in_specs=(PartitionSpec(_AXIS), PartitionSpec()),
+        in_specs=(PartitionSpec(), PartitionSpec(_AXIS)),
         out_specs=PartitionSpec(_AXIS),
     )
     return jax.jit(mapped)
 
 
-def _take_local(shards: list, indices) -> list:
-    replica = jax.lax.axis_index(_AXIS)
-    return [_take_one(shard, indices, replica) for shard in shards]
+def _take_local(dataset: list, indices) -> list:
+    return [_take_one(array, indices) for array in dataset]
 
 
-def _take_one(shard, indices, replica):
-    rows = shard.shape[0]
-    local = indices - replica * rows
-    inside = (local >= 0) & (local < rows)
-    taken = jnp.take(shard, jnp.clip(local, 0, rows - 1), axis=0)
-    inside = inside.reshape((-1,) + (1,) * (shard.ndim - 1))
-    dtype = taken.dtype
-    if dtype == jnp.bool_:  # psum adds numbers: bools travel as uint8.
-        taken = taken.astype(jnp.uint8)
-    taken = jnp.where(inside, taken, jnp.zeros((), taken.dtype))
-    summed = jax.lax.psum_scatter(taken, _AXIS, scatter_dimension=0, tiled=True)
-    return summed.astype(dtype)
+def _take_one(array, indices):
+    taken = jnp.take(array, jnp.maximum(indices, 0), axis=0)
+    real = (indices >= 0).reshape((-1,) + (1,) * (array.ndim - 1))
+    return jnp.where(real, taken, jnp.zeros((), taken.dtype))

@@ -126,11 +126,23 @@ def _fit_counts(options, x):
     return spy.counts["fit"]
 
 
-def test_the_budget_decides_by_bytes_per_device():
-    # 37 rows of 6 float32 and an int32 label: 1036 bytes, 130 per device.
-    assert _fit_counts(None, X) == 1  # Default: 256 MiB per device.
-    assert _fit_counts(kd.InputOptions(device_resident_budget=130), X) == 1
-    assert _fit_counts(kd.InputOptions(device_resident_budget=129), X) == 0
+def test_the_budget_decides_by_bytes():
+    # 37 rows of 6 float32 and an int32 label: 1036 bytes on every device.
+    assert _fit_counts(None, X) == 0  # Default: off.
+    auto = kd.InputOptions(device_resident=None)  # 256 MiB.
+    assert _fit_counts(auto, X) == 1
+    assert (
+        _fit_counts(
+            kd.InputOptions(device_resident=None, device_resident_budget=1036), X
+        )
+        == 1
+    )
+    assert (
+        _fit_counts(
+            kd.InputOptions(device_resident=None, device_resident_budget=1035), X
+        )
+        == 0
+    )
     forced = kd.InputOptions(device_resident=True, device_resident_budget=0)
     assert _fit_counts(forced, X) == 1
     assert _fit_counts(kd.InputOptions(device_resident=False), X) == 0
@@ -138,7 +150,7 @@ def test_the_budget_decides_by_bytes_per_device():
 
 def test_float64_counts_as_floatx():
     # Keras casts float64 input to float32 before it reaches the devices.
-    options = kd.InputOptions(device_resident_budget=130)
+    options = kd.InputOptions(device_resident=None, device_resident_budget=1036)
     assert _fit_counts(options, X.astype("float64")) == 1
 
 
