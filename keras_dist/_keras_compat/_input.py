@@ -10,10 +10,11 @@ trainer to it:
   indices of Keras's batches (`_array_input.py`).
 - `_distribute_data`: the single batch of `*_on_batch`.
 - `_jit` and `_make_function`: every step — compiled or eager, one batch or
-  `steps_per_execution` of them — first cuts a `PaddedBatch` back to its real
-  rows. Inside `jit` the cut is a static slice of the sharded arrays; without
-  `jit` (`run_eagerly=True`, `jit_compile=False`) it is an eager slice. Under
-  a strategy that keeps its state in host memory, both also bring the state
+  `steps_per_execution` of them — first gathers a device-resident batch
+  (`ResidentBatch`) and cuts a `PaddedBatch` back to its real rows. Inside
+  `jit` the cut is a static slice of the sharded arrays; without `jit`
+  (`run_eagerly=True`, `jit_compile=False`) it is an eager slice. Under a
+  strategy that keeps its state in host memory, both also bring the state
   to device memory (`_state_memory.py`).
 - `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
   steps through Keras's own epoch iterator before the first real step.
@@ -33,6 +34,7 @@ from keras_dist.data._auto_shard import is_per_process
 from keras_dist.data._partial_batch import unpadding
 from keras_dist.data._pipeline import InputPass, keras_batch
 from keras_dist.data._replica_rows import tracking
+from keras_dist.data._resident_batch import gathering
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
 
@@ -60,8 +62,13 @@ def _replicas() -> int | None:
     return None if strategy is None else strategy.num_replicas_in_sync
 
 
+def _take_rows() -> Callable | None:
+    strategy = current_strategy()
+    return None if strategy is None else strategy.take_rows
+
+
 def _jit(fun: Callable, *args, **kwargs):
-    step = tracking(unpadding(fun), _replicas)
+    step = gathering(tracking(unpadding(fun), _replicas), _take_rows)
     if getattr(fun, "__name__", "") == "predict_step":
         step = gathered_outputs(step)
     strategy = current_strategy()
@@ -93,7 +100,9 @@ class _Unpadding:
 def _make_function(self, step_function, concatenate_outputs=False):
     """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly."""
     if not isinstance(step_function, _Unpadding):
-        step_function = tracking(unpadding(step_function), _replicas)
+        step_function = gathering(
+            tracking(unpadding(step_function), _replicas), _take_rows
+        )
         if concatenate_outputs:  # predict: whole outputs on every process.
             step_function = gathered_outputs(step_function)
         strategy = current_strategy()

@@ -110,8 +110,8 @@ class InputOptions:
             `fit`/`evaluate`/`predict`: copy the whole dataset to every
             device once and gather each step's batch on the devices from an
             index vector, in the order Keras's shuffle gives (same numbers).
-            `True`: always, `None`: when the dataset takes at most
-            `device_resident_budget` bytes, `False` (default): never. With
+            `True`: always, `None` (default): when the dataset takes at most
+            `device_resident_budget` bytes, `False`: never. With
             several processes it is ignored (batches are laid out step by
             step, on a background thread).
         device_resident_budget: bytes (of the whole dataset, which every
@@ -121,7 +121,7 @@ class InputOptions:
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 1
-    device_resident: bool | None = False
+    device_resident: bool | None = None
     device_resident_budget: int = 256 * 2**20
 
     def __post_init__(self):

@@ -6,8 +6,9 @@ per-step host work of a small model. When the strategy's
 `input_options.device_resident` allows it (by default: when the dataset takes
 at most `device_resident_budget` bytes), the whole dataset is copied to every
 device once instead (`Strategy.place_dataset`), and each step sends only the
-step's row indices: each replica gathers its rows of the global batch from
-its own copy, with no communication (`Strategy.take_rows`).
+step's row indices: inside the step, each replica gathers its rows of the
+global batch from its own copy, with no communication (`Strategy.take_rows`,
+`_resident_batch.ResidentBatch`).
 
 The indices are the ones Keras's own batching gives for the same call (the
 same shuffle, the same NumPy random draws at the same moments; computed by
@@ -26,11 +27,8 @@ import numpy as np
 
 from keras_dist.data._call import CallState
 from keras_dist.data._input_context import InputOptions
-from keras_dist.data._partial_batch import (
-    as_padded_batch,
-    batch_size_of,
-    round_up,
-)
+from keras_dist.data._partial_batch import batch_size_of, round_up
+from keras_dist.data._resident_batch import ResidentBatch
 from keras_dist.data._target import InputTarget
 
 __all__ = ["ResidentData", "ResidentPass", "lay_out_resident", "wants_resident"]
@@ -60,7 +58,7 @@ def lay_out_resident(strategy: InputTarget, data: Any) -> ResidentData:
 
 
 class ResidentPass:
-    """One pass over a `ResidentData`: Keras batches gathered on the devices.
+    """One pass over a `ResidentData`: `ResidentBatch`es, gathered in the step.
 
     Args:
         strategy: where the dataset lives.
@@ -101,10 +99,13 @@ class ResidentPass:
         padded = round_up(size, self._strategy.num_replicas_in_sync)
         if padded != size:
             indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
-        arrays = self._strategy.take_rows(self._resident.arrays, indices)
-        batch = as_padded_batch(
-            jax.tree.unflatten(self._resident.treedef, arrays),
+        resident = self._resident
+        batch = ResidentBatch(
+            resident.arrays,
+            self._strategy.shard(indices),
+            resident.treedef,
             size if padded != size else None,
+            self._strategy.take_rows,
         )
         if self._call is not None:
             if self._first:

@@ -160,14 +160,15 @@ class Placement:
 
         Args:
             dataset: arrays `place_dataset` placed.
-            indices: int32 row indices, as many as a multiple of
-                `num_replicas_in_sync`; -1 gives a row of zeros (padding).
+            indices: int32 row indices laid out by `shard` (a multiple of
+                `num_replicas_in_sync`); -1 gives a row of zeros (padding).
+                Inside a compiled step: traced values.
 
         Returns:
             The global batches, laid out as `shard` lays out a batch.
         """
         placed = take_rows(self.mesh, dataset, indices)
-        if self._shards_state():
+        if self._shards_state() and not isinstance(placed[0], jax.core.Tracer):
             self._remember_batches(placed)
         return placed
 

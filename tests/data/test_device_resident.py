@@ -23,6 +23,7 @@ from tests._helpers import (
     make_model,
     mirrored,
 )
+from tests._strategies import STRATEGIES
 
 X, Y, SW = make_data(37)
 WEIGHTS = initial_weights()
@@ -116,6 +117,27 @@ def test_resident_execution_modes_equal_keras(mode):
     _assert_same(_run(None, True, **mode), resident)
 
 
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_equals_keras(name):
+    # Split state (FSDP, ZeRO-1, PS) and state in host memory (CentralStorage).
+    def fit(strategy):
+        keras.utils.set_random_seed(3)
+        if strategy is None:
+            model = compile_model(make_model())
+            model.set_weights(WEIGHTS)
+        else:
+            strategy.input_options = kd.InputOptions(device_resident=True)
+            model = build_in_scope(strategy, WEIGHTS)
+        history = model.fit(
+            X, Y, batch_size=10, epochs=2, shuffle=True, verbose=0
+        ).history
+        return history, model.get_weights()
+
+    expected, got = fit(None), fit(STRATEGIES[name]())
+    assert_history_close(expected[0], got[0])
+    assert_weights_close(expected[1], got[1])
+
+
 def _fit_counts(options, x):
     strategy = mirrored(8)
     if options is not None:
@@ -128,9 +150,7 @@ def _fit_counts(options, x):
 
 def test_the_budget_decides_by_bytes():
     # 37 rows of 6 float32 and an int32 label: 1036 bytes on every device.
-    assert _fit_counts(None, X) == 0  # Default: off.
-    auto = kd.InputOptions(device_resident=None)  # 256 MiB.
-    assert _fit_counts(auto, X) == 1
+    assert _fit_counts(None, X) == 1  # Default: automatic, up to 256 MiB.
     assert (
         _fit_counts(
             kd.InputOptions(device_resident=None, device_resident_budget=1036), X

@@ -1,0 +1,90 @@
+"""`ResidentBatch`: a step's batch as row indices into a device-resident dataset.
+
+A `ResidentPass` (`_resident.py`) hands Keras's step, instead of the batch,
+the dataset's arrays (already on every device) and the step's row indices
+(split over the replicas). The step seams (`_keras_compat/_input.py`) wrap
+every step so it first gathers the batch (`gathering`): inside the compiled
+step the gather is part of the one program — no second dispatch a step, and
+no program next to the step's own — and without `jit` it runs eagerly.
+
+For JAX a `ResidentBatch` is a pytree of the arrays and the indices (the
+structure and the real-row count are static). Keras's own tree utilities
+(its `keras` optree namespace) see the batch it stands for, gathered: Keras
+reads one batch outside the step, to build a model symbolically.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optree
+
+from keras_dist.data._partial_batch import as_padded_batch
+
+__all__ = ["ResidentBatch", "gathering"]
+
+
+class ResidentBatch:
+    """The rows `indices` of a dataset's `arrays`, gathered in the step.
+
+    Args:
+        arrays: the dataset's arrays on every device (flattened).
+        indices: int32 row indices laid out over the replicas (-1: padding).
+        treedef: the structure of a batch (`arrays` unflattened).
+        num_real: the real rows of a padded batch, or None.
+        take: `strategy.take_rows`, to gather outside a step.
+    """
+
+    def __init__(self, arrays, indices, treedef, num_real, take=None):
+        self.arrays = tuple(arrays)
+        self.indices = indices
+        self.treedef = treedef
+        self.num_real = num_real
+        self.take = take
+
+    def gather(self, take: Callable) -> Any:
+        """The batch (a `PaddedBatch` when padded), gathered with `take`."""
+        rows = take(list(self.arrays), self.indices)
+        return as_padded_batch(jax.tree.unflatten(self.treedef, rows), self.num_real)
+
+
+jax.tree_util.register_pytree_node(
+    ResidentBatch,
+    lambda b: ((b.arrays, b.indices), (b.treedef, b.num_real)),
+    lambda aux, children: ResidentBatch(*children, *aux),
+)
+
+
+def _keras_flatten(batch: ResidentBatch):
+    gathered = batch.gather(batch.take)
+    return tuple(gathered), getattr(gathered, "num_real", None), None
+
+
+def _keras_unflatten(num_real, children):
+    return as_padded_batch(tuple(children), num_real)
+
+
+optree.register_pytree_node(
+    ResidentBatch, _keras_flatten, _keras_unflatten, namespace="keras"
+)
+
+
+def gathering(step: Callable, take: Callable[[], Callable | None]) -> Callable:
+    """Wraps a step `step(state, data)` so a `ResidentBatch` is gathered first.
+
+    Args:
+        step: the step function.
+        take: returns the running strategy's `take_rows` (None: no strategy).
+    """
+
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        if any(isinstance(a, ResidentBatch) for a in args):
+            gather = take()
+            args = tuple(
+                a.gather(gather) if isinstance(a, ResidentBatch) else a for a in args
+            )
+        return step(*args, **kwargs)
+
+    return wrapped
