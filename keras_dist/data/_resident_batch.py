@@ -57,12 +57,13 @@ jax.tree_util.register_pytree_node(
 
 
 def _keras_flatten(batch: ResidentBatch):
-    gathered = batch.gather(batch.take)
-    return tuple(gathered), getattr(gathered, "num_real", None), None
+    # One child, the gathered batch in its own structure (a bare array, a
+    # tuple, a `PaddedBatch`...), which Keras's tree walks in turn.
+    return (batch.gather(batch.take),), None, None
 
 
-def _keras_unflatten(num_real, children):
-    return as_padded_batch(tuple(children), num_real)
+def _keras_unflatten(_, children):
+    return children[0]
 
 
 optree.register_pytree_node(

@@ -174,6 +174,27 @@ def test_float64_counts_as_floatx():
     assert _fit_counts(options, X.astype("float64")) == 1
 
 
+def test_inputs_without_targets():
+    # fit(x) alone: Keras's batches are bare arrays, not tuples.
+    class OwnLoss(keras.Sequential):
+        def compute_loss(self, x=None, y=None, y_pred=None, *args, **kwargs):
+            return keras.ops.mean(y_pred**2)
+
+    def fit(strategy):
+        keras.utils.set_random_seed(5)
+        model = OwnLoss(make_model().layers)
+        model.set_weights(WEIGHTS)
+        if strategy is None:
+            model.compile("sgd")
+            return model.fit(X, batch_size=10, verbose=0).history["loss"]
+        strategy.input_options = kd.InputOptions(device_resident=True)
+        with strategy.scope():
+            model.compile("sgd")
+            return model.fit(X, batch_size=10, verbose=0).history["loss"]
+
+    np.testing.assert_allclose(fit(mirrored(8)), fit(None), rtol=1e-5)
+
+
 def test_input_options_are_checked():
     with pytest.raises(ValueError, match="device_resident_budget=-1"):
         kd.InputOptions(device_resident_budget=-1)
