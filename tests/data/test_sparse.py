@@ -382,7 +382,10 @@ def test_sparse_batches_are_read_on_the_calling_thread():
             seen.extend(t.name for t in threading.enumerate())
 
     x, y = sparse_problem(40)
-    with mirrored(8).scope():
+    strategy = mirrored(8)
+    # The host path (in-memory arrays are otherwise kept on the devices).
+    strategy.input_options = kd.InputOptions(device_resident=False)
+    with strategy.scope():
         model = keras.Sequential(
             [keras.Input((FEATURES,), sparse=True), keras.layers.Dense(CLASSES)]
         )
