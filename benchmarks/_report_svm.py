@@ -48,6 +48,16 @@ def _header(payload: dict) -> list:
             "Runs that crashed (XLA CPU collective timeout under load) and were "
             "run again: " + ", ".join(crashed) + "."
         )
+    failed = [
+        f"{r['model']} {r['config']} {r['failed_runs']} of {payload['repeats']}"
+        for r in payload["rows"] + payload["scaling_rows"]
+        if r.get("failed_runs") and "error" not in r
+    ]
+    if failed:
+        out.append(
+            "Runs that crashed twice, left out of their row's median and "
+            "min-max: " + ", ".join(failed) + "."
+        )
     if payload["repeats"] < 5:
         out.append(f"Only {payload['repeats']} runs per configuration: indicative.")
     return [*out, ""]

@@ -68,23 +68,25 @@ def combine_runs(runs: list) -> dict:
     """One row from the rows of several fresh processes of one configuration.
 
     Each process counts as one sample, the median of its timed epochs; the
-    row gets `ms_per_step` (one value per process, in run order), their
-    median, min and max, `runs` (the processes' own rows) and the first
-    error, if any process failed.
+    row gets `ms_per_step` (one value per completed process, in run order),
+    their median, min and max, `failed_runs` (processes that never printed a
+    result: left out, and said so in the tables) and `runs` (every process's
+    own row). With no completed process the row is the first error.
     """
-    failed = [r for r in runs if "error" in r]
-    if failed:
-        return {**failed[0], "runs": runs}
-    times = [r["ms_median"] for r in runs]
-    row = {k: v for k, v in runs[0].items() if k not in ("ms_min", "ms_max")}
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return {**runs[0], "failed_runs": len(runs), "runs": runs}
+    times = [r["ms_median"] for r in done]
+    row = {k: v for k, v in done[0].items() if k not in ("ms_min", "ms_max")}
     row.update(
         ms_per_step=times,
         ms_median=statistics.median(times),
         ms_min=min(times),
         ms_max=max(times),
-        first_epoch_s=statistics.median(r["first_epoch_s"] for r in runs),
-        peak_rss_mb=max(r["peak_rss_mb"] for r in runs),
+        first_epoch_s=statistics.median(r["first_epoch_s"] for r in done),
+        peak_rss_mb=max(r["peak_rss_mb"] for r in done),
         crashed_runs=sum(r.get("crashed_runs", 0) for r in runs),
+        failed_runs=len(runs) - len(done),
         runs=runs,
     )
     return row
