@@ -2,6 +2,8 @@
 
 import dataclasses
 
+from keras_dist._checks import check_int
+
 __all__ = ["InputContext", "InputOptions"]
 
 
@@ -29,14 +31,8 @@ class InputContext:
         input_pipeline_id: int = 0,
         num_replicas_in_sync: int = 1,
     ):
-        for name, value in (
-            ("num_input_pipelines", num_input_pipelines),
-            ("num_replicas_in_sync", num_replicas_in_sync),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"`{name}` must be a positive int. Received: {name}={value!r}."
-                )
+        check_int(num_input_pipelines, name="num_input_pipelines")
+        check_int(num_replicas_in_sync, name="num_replicas_in_sync")
         if not isinstance(input_pipeline_id, int) or not (
             0 <= input_pipeline_id < num_input_pipelines
         ):
@@ -125,20 +121,18 @@ class InputOptions:
     device_resident_budget: int = 256 * 2**20
 
     def __post_init__(self):
-        budget = self.device_resident_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(
-                "`device_resident_budget` must be an int >= 0 (bytes per "
-                f"device). Received: device_resident_budget={budget!r}."
-            )
+        check_int(
+            self.device_resident_budget,
+            name="device_resident_budget",
+            minimum=0,
+            meaning=" (bytes per device)",
+        )
         if self.device_resident not in (None, True, False):
             raise ValueError(
                 "`device_resident` must be True, False or None (automatic). "
                 f"Received: device_resident={self.device_resident!r}."
             )
-        size = self.experimental_per_replica_buffer_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(
-                "`experimental_per_replica_buffer_size` must be an int >= 1. "
-                f"Received: experimental_per_replica_buffer_size={size!r}."
-            )
+        check_int(
+            self.experimental_per_replica_buffer_size,
+            name="experimental_per_replica_buffer_size",
+        )
