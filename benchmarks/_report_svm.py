@@ -2,7 +2,7 @@
 
 import pathlib
 
-from _runs import fmt
+from _runs import fmt, pyplot, targets_table
 
 NAMES = {
     "A": "Keras fit, 1 device",
@@ -101,22 +101,14 @@ def markdown(payload: dict) -> str:
             eff = analysis["efficiency"][n]
             speedup = None if eff is None else eff * n
             out.append(f"| {n} | {ms:.2f} | {fmt(speedup)} | {fmt(eff)} |")
-    out += ["", "| target | value | result |", "|---|---:|---|"]
-    for t in analysis["targets"]:
-        verdict = "PASS" if t["pass"] else "MISS"
-        out.append(f"| {t['target']} | {fmt(t['value'])} | {verdict} |")
+    out += targets_table(analysis["targets"])
     return "\n".join(out) + "\n"
 
 
 def plot(payload: dict, path: pathlib.Path) -> bool:
     """Bars of ms/step (median, min-max whiskers) per configuration; scaling."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
     rows = [r for r in payload["rows"] if "error" not in r]
     models = sorted({r["model"] for r in rows})

@@ -103,3 +103,26 @@ def machine(platform_name: str, devices: int) -> str:
 
 def fmt(value, digits: int = 2) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def targets_table(targets: list, spec: str = ".2f") -> list[str]:
+    """Markdown lines: one row per target, its value (`spec`) and PASS/MISS."""
+    out = ["", "| target | value | result |", "|---|---:|---|"]
+    for t in targets:
+        value = "n/a" if t["value"] is None else format(t["value"], spec)
+        verdict = "PASS" if t["pass"] else "MISS"
+        out.append(f"| {t['target']} | {value} | {verdict} |")
+    return out
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None (with a message)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return None
+    return plt

@@ -29,7 +29,7 @@ import json
 import pathlib
 import platform
 
-from _runs import fmt, machine, run_worker
+from _runs import fmt, machine, pyplot, run_worker, targets_table
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
@@ -122,21 +122,13 @@ def markdown(payload: dict) -> str:
             f"{r['host_bytes_per_device'] / MB:.2f} | {r['ms_median']:.1f} | "
             f"{r['ms_min']:.1f}-{r['ms_max']:.1f} | {r['final_loss']:.6f} |"
         )
-    out += ["", "| target | value | result |", "|---|---:|---|"]
-    for t in payload["analysis"]["targets"]:
-        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
-        out.append(f"| {t['target']} | {value} | {'PASS' if t['pass'] else 'MISS'} |")
+    out += targets_table(payload["analysis"]["targets"], spec=".3g")
     return "\n".join(out) + "\n"
 
 
 def plot(payload: dict, path: pathlib.Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return False
     rows = {c: r for c, r in payload["rows"].items() if "error" not in r}
     names = list(rows)

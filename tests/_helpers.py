@@ -85,3 +85,15 @@ def assert_history_close(expected: dict, actual: dict, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(
             actual[key], expected[key], rtol=rtol, atol=atol, err_msg=key
         )
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises after global step `at` (as a crash would, mid-epoch)."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
+            raise RuntimeError(f"interrupted at step {self.at}")

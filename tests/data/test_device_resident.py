@@ -14,6 +14,7 @@ import pytest
 import keras_dist as kd
 from keras_dist.data import _call
 from tests._helpers import (
+    InterruptAt,
     assert_history_close,
     assert_weights_close,
     build_in_scope,
@@ -204,18 +205,6 @@ def test_input_options_are_checked():
         mirrored(2).input_options = {"device_resident": True}
 
 
-class _Interrupt(keras.callbacks.Callback):
-    """Raises after global step `at` (as a crash would, mid-epoch)."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at = at
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
-            raise RuntimeError(f"interrupted at step {self.at}")
-
-
 def _resumable_fit(model, *callbacks):
     keras.utils.set_random_seed(11)
     return model.fit(
@@ -232,7 +221,7 @@ def _resumable_fit(model, *callbacks):
 def test_backup_and_restore_resumes_exactly(tmp_path, capsys):
     backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
     with pytest.raises(RuntimeError, match="interrupted at step 6"):
-        _resumable_fit(_model(True), backup, _Interrupt(6))
+        _resumable_fit(_model(True), backup, InterruptAt(6))
     spy = _Resident()
     model = _model(True)
     history = _resumable_fit(

@@ -18,6 +18,7 @@ import pytest
 
 import keras_dist as kd
 from tests._helpers import (
+    InterruptAt,
     assert_weights_close,
     build_in_scope,
     compile_model,
@@ -169,18 +170,6 @@ def test_save_and_load_reshards_across_strategies(tmp_path, first, last):
     )
 
 
-class _Interrupt(keras.callbacks.Callback):
-    """Raises after global step `at` (as a crash would, mid-epoch)."""
-
-    def __init__(self, at):
-        super().__init__()
-        self.at = at
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
-            raise RuntimeError(f"interrupted at step {self.at}")
-
-
 def _interrupted_then_resumed(backup_dir, writer, reader, capsys):
     """3 epochs of 4 steps; stopped after step 6 (epoch 2, step 2), resumed."""
     with pytest.raises(RuntimeError, match="interrupted at step 6"):
@@ -188,7 +177,7 @@ def _interrupted_then_resumed(backup_dir, writer, reader, capsys):
             _new_model(writer),
             3,
             kd.callbacks.BackupAndRestore(backup_dir, save_freq=2),
-            _Interrupt(6),
+            InterruptAt(6),
         )
     model = _new_model(reader)
     history = _fit(model, 3, kd.callbacks.BackupAndRestore(backup_dir)).history
