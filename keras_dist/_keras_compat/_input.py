@@ -37,6 +37,7 @@ from keras_dist.data._replica_rows import tracking
 from keras_dist.data._resident_batch import gathering
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
+from keras_dist.training._fused_steps import FusedSteps
 
 __all__ = [
     "_distribute_data",
@@ -73,9 +74,17 @@ def _jit(fun: Callable, *args, **kwargs):
         step = gathered_outputs(step)
     strategy = current_strategy()
     if _is_state_step(kwargs) and strategy is not None and strategy._state_off_device():
-        step = _state_memory.compiled_step(step, strategy)
-    compiled = _originals["jit"](step, *args, **kwargs)
-    return _Unpadding(compiled)
+
+        def compile_(program):
+            return _originals["jit"](
+                _state_memory.compiled_step(program, strategy), *args, **kwargs
+            )
+    else:
+
+        def compile_(program):
+            return _originals["jit"](program, *args, **kwargs)
+
+    return _Unpadding(compile_(step), step, compile_)
 
 
 def _is_state_step(jit_kwargs: dict) -> bool:
@@ -84,10 +93,17 @@ def _is_state_step(jit_kwargs: dict) -> bool:
 
 
 class _Unpadding:
-    """A compiled step that cuts padded batches itself (inside `jit`)."""
+    """A compiled step that cuts padded batches itself (inside `jit`).
 
-    def __init__(self, compiled: Callable):
+    Keeps the step before compilation and how it was compiled, so that
+    `steps_per_execution` groups compile a program of several steps the same
+    way (`training/_fused_steps.py`).
+    """
+
+    def __init__(self, compiled: Callable, step: Callable, compile_: Callable):
         self._compiled = compiled
+        self.step = step
+        self.compile = compile_
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args, **kwargs):
@@ -98,19 +114,38 @@ class _Unpadding:
 
 
 def _make_function(self, step_function, concatenate_outputs=False):
-    """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly."""
+    """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly.
+
+    A compiled step with `steps_per_execution > 1` runs its groups of batches
+    as one program each (`FusedSteps`), unless the strategy's
+    `input_options.fuse_steps` is off.
+    """
+    strategy = current_strategy()
     if not isinstance(step_function, _Unpadding):
         step_function = gathering(
             tracking(unpadding(step_function), _replicas), _take_rows
         )
         if concatenate_outputs:  # predict: whole outputs on every process.
             step_function = gathered_outputs(step_function)
-        strategy = current_strategy()
         if strategy is not None and strategy._state_off_device():
             step_function = _state_memory.eager_step(step_function, strategy)
-    return _originals["JAXTrainer._make_function"](
+    keras_loop = _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )
+    if (
+        isinstance(step_function, _Unpadding)
+        and self.steps_per_execution > 1
+        and strategy is not None
+        and strategy.input_options.fuse_steps
+    ):
+        return FusedSteps(
+            step_function.step,
+            step_function.compile,
+            steps=self.steps_per_execution,
+            concatenate=concatenate_outputs,
+            keras_loop=keras_loop,
+        )
+    return keras_loop
 
 
 def _distribute_data(data, layouts=None):

@@ -113,12 +113,18 @@ class InputOptions:
         device_resident_budget: bytes (of the whole dataset, which every
             device holds) up to which `device_resident=None` keeps it on
             the devices. Defaults to 256 MiB.
+        fuse_steps: with `steps_per_execution=N > 1` in `compile`, run each
+            group of N batches of the same shapes as one compiled program
+            (a `lax.scan` of the step): one dispatch per N steps instead of
+            N, the same numbers. `False`: Keras's loop of N compiled steps.
+            Defaults to `True`.
     """
 
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 1
     device_resident: bool | None = None
     device_resident_budget: int = 256 * 2**20
+    fuse_steps: bool = True
 
     def __post_init__(self):
         check_int(
@@ -131,6 +137,11 @@ class InputOptions:
             raise ValueError(
                 "`device_resident` must be True, False or None (automatic). "
                 f"Received: device_resident={self.device_resident!r}."
+            )
+        if self.fuse_steps not in (True, False):
+            raise ValueError(
+                "`fuse_steps` must be True or False. "
+                f"Received: fuse_steps={self.fuse_steps!r}."
             )
         check_int(
             self.experimental_per_replica_buffer_size,

@@ -18,6 +18,7 @@ zero rows) and travels as a `PaddedBatch` that the step cuts.
 """
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_dist.data._batch_group import BatchGroup
 from keras_dist.data._call import CallState
 from keras_dist.data._input_context import InputOptions
 from keras_dist.data._partial_batch import batch_size_of, round_up
@@ -95,25 +97,59 @@ class ResidentPass:
     def __next__(self) -> Any:
         start = time.perf_counter()
         indices = _as_indices(next(self._indices), self._resident.rows)
+        batch = self._lay_out(indices)
+        self._record(start, len(indices))
+        return batch
+
+    def next_group(self, count: int) -> BatchGroup | list:
+        """The next `count` batches, for one program (`steps_per_execution`).
+
+        Full batches of one size: a `BatchGroup` whose indices are laid out
+        in one transfer (`Strategy.shard_steps`). Otherwise (fewer batches
+        left, a partial batch): the batches, as `next` gives them. As Keras's
+        loop: `StopIteration` when not even one batch is left.
+        """
+        start = time.perf_counter()
+        rows = self._resident.rows
+        group = [_as_indices(i, rows) for i in itertools.islice(self._indices, count)]
+        if not group:
+            raise StopIteration
+        size = len(group[0])
+        self._record(start, size)
+        uneven = size % self._strategy.num_replicas_in_sync
+        if len(group) < count or uneven or any(len(i) != size for i in group):
+            return [self._lay_out(indices) for indices in group]
+        stacked = self._strategy.shard_steps(np.stack(group))
+        leaves, treedef = jax.tree.flatten(self._batch(0, None))
+        is_shared = (True,) * (len(leaves) - 1) + (False,)  # The indices vary.
+        return BatchGroup(treedef, is_shared, tuple(leaves[:-1]), (stacked,))
+
+    def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
         padded = round_up(size, self._strategy.num_replicas_in_sync)
         if padded != size:
             indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
+        return self._batch(
+            self._strategy.shard(indices), size if padded != size else None
+        )
+
+    def _batch(self, indices: Any, num_real: int | None) -> ResidentBatch:
         resident = self._resident
-        batch = ResidentBatch(
+        return ResidentBatch(
             resident.arrays,
-            self._strategy.shard(indices),
+            indices,
             resident.treedef,
-            size if padded != size else None,
+            num_real,
             self._strategy.take_rows,
         )
+
+    def _record(self, start: float, size: int) -> None:
         if self._call is not None:
             if self._first:
                 self._call.observe_batch_size(size)
             seconds = time.perf_counter() - start
             self._call.input_stats.record(seconds, first=self._first)
         self._first = False
-        return batch
 
     def close(self) -> None:
         """Nothing to stop (no thread); as `InputPass.close`."""

@@ -38,6 +38,9 @@ class InputTarget(Protocol):
     def shard(self, data: Any, rows: int | None = None) -> Any:
         """Lays this process's (padded) rows out over the mesh."""
 
+    def shard_steps(self, data: Any) -> Any:
+        """Lays out the batches of several steps, stacked (steps, rows, ...)."""
+
     @property
     def input_options(self) -> InputOptions:
         """How `fit`/`evaluate`/`predict` bring their input to the devices."""

@@ -148,6 +148,33 @@ class Placement:
             self._remember_batches(placed)
         return jax.tree.unflatten(treedef, placed)
 
+    def shard_steps(self, data: Any) -> Any:
+        """Lays out the batches of several steps at once: one transfer.
+
+        Args:
+            data: a pytree of arrays `(steps, rows, ...)`: `steps` batches
+                stacked, each as `shard` takes it. One process only.
+
+        Returns:
+            Arrays split along their second axis (the rows), so the batch
+            of each step is laid out as `shard` lays it out.
+        """
+        if self._spans_processes:
+            raise ValueError(
+                "`shard_steps` lays out batches of one process only. Received a "
+                f"strategy over {self._process_count} processes; use `shard` for "
+                "each batch."
+            )
+        arrays, treedef = jax.tree.flatten(data)
+        arrays = [_as_array(x) for x in arrays]
+        shardings = [self._steps_sharding(a.ndim) for a in arrays]
+        return jax.tree.unflatten(treedef, jax.device_put(arrays, shardings))
+
+    def _steps_sharding(self, ndim: int) -> NamedSharding:
+        return NamedSharding(
+            self.mesh, PartitionSpec(None, BATCH_AXIS, *([None] * (ndim - 2)))
+        )
+
     def place_dataset(self, data: Any) -> Any:
         """Copies a whole dataset (a pytree of host arrays) to every device.
 

@@ -1,0 +1,72 @@
+"""`BatchGroup`: the N batches of one `steps_per_execution` group, for one program.
+
+A group of batches of one structure runs as one compiled program
+(`training/_fused_steps.py`): the leaves every batch shares (the same
+object: the dataset of device-resident input) go in once, the others are
+stacked along a new leading axis of length N. An input that can lay a whole
+group out at once (`_resident.ResidentPass.next_group`) hands over leaves
+already stacked on the devices — one transfer for N steps; batches read one
+by one are stacked inside the program.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+__all__ = ["BatchGroup", "group_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchGroup:
+    """N batches of one structure, as the arguments of one program.
+
+    Attributes:
+        treedef: the structure of one batch (`jax.tree.flatten`).
+        is_shared: per leaf of a batch, whether every batch has that leaf.
+        shared: the shared leaves, in order.
+        varying: the other leaves, in order: each a tuple of the N batches'
+            arrays, or one array with a leading axis of N (already stacked).
+    """
+
+    treedef: Any
+    is_shared: tuple[bool, ...]
+    shared: tuple
+    varying: tuple
+
+    def batch(self, rows: list) -> Any:
+        """One batch: the shared leaves with `rows`, one step's varying leaves."""
+        shared, varying = iter(self.shared), iter(rows)
+        leaves = [next(shared) if same else next(varying) for same in self.is_shared]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def group_of(batches: list) -> BatchGroup | None:
+    """`batches` as a group, or None when they cannot run as one program.
+
+    They can when they have one structure and each leaf is either the same
+    object in all of them or a `jax.Array` of one shape and dtype.
+    """
+    flat = [jax.tree.flatten(batch) for batch in batches]
+    treedef = flat[0][1]
+    if any(other != treedef for _, other in flat[1:]):
+        return None
+    columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
+    is_shared = tuple(all(leaf is column[0] for leaf in column) for column in columns)
+    shared, varying = [], []
+    for column, same in zip(columns, is_shared, strict=True):
+        if same:
+            shared.append(column[0])
+        elif all(_like(leaf, column[0]) for leaf in column):
+            varying.append(tuple(column))
+        else:
+            return None
+    return BatchGroup(treedef, is_shared, tuple(shared), tuple(varying))
+
+
+def _like(leaf: Any, first: Any) -> bool:
+    return (
+        isinstance(leaf, jax.Array)
+        and leaf.shape == first.shape
+        and leaf.dtype == first.dtype
+    )

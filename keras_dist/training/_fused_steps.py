@@ -1,0 +1,119 @@
+"""`steps_per_execution=N` as one compiled program for N steps.
+
+Keras's JAX trainer runs `steps_per_execution=N` as a Python loop over its
+compiled step (`JAXTrainer._make_function`): N dispatches and N host
+round trips of the state's pytree for one callback call. Under a keras_dist
+strategy a group of N batches runs as one program instead: `lax.scan` of
+the same step over the N batches (`data/_batch_group.BatchGroup`), the state
+as the scan's carry. One dispatch per N steps; callbacks still run after
+each group, at the step numbers Keras gives them.
+
+The numbers are those of Keras's loop: the same step function, run N times
+in order (to float tolerance: XLA may fuse the loop body differently). A
+group is fused only when its N batches have one structure, shapes and dtypes
+(a padded partial batch has another structure); any other group — the
+shorter last group of an epoch, a group with a partial last batch — runs
+through Keras's own loop, batch by batch, with the one-step program.
+
+For `predict` the outputs of the N steps are concatenated along the batch
+axis, as Keras concatenates them; for `fit` and `evaluate` the logs are the
+last step's, as Keras returns them.
+"""
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from keras_dist.data._batch_group import BatchGroup, group_of
+
+__all__ = ["FusedSteps"]
+
+
+class FusedSteps:
+    """Keras's `iterator_step(state, iterator)`, N steps in one program.
+
+    Args:
+        step: the step `step(state, batch) -> (outputs, state)`, not jitted
+            (the seams' step: it gathers device-resident batches and cuts
+            padded ones).
+        jit: compiles a function `(state, shared, varying) -> (outputs,
+            state)` as Keras compiles its step (state donated, Keras's
+            output shardings).
+        steps: N, `steps_per_execution`.
+        concatenate: concatenate the steps' outputs (predict) instead of
+            keeping the last step's (fit, evaluate).
+        keras_loop: Keras's own `iterator_step` over the one-step program,
+            for groups that cannot be fused.
+    """
+
+    def __init__(
+        self,
+        step: Callable,
+        jit: Callable[[Callable], Callable],
+        *,
+        steps: int,
+        concatenate: bool,
+        keras_loop: Callable,
+    ):
+        self._step = step
+        self._jit = jit
+        self._steps = steps
+        self._concatenate = concatenate
+        self._keras_loop = keras_loop
+        self._programs: dict[Any, Callable] = {}
+
+    def __call__(self, state, iterator: Iterator):
+        group = _next_group(iterator, self._steps)
+        if not isinstance(group, BatchGroup):
+            return self._keras_loop(state, iter(group))
+        key = (group.treedef, group.is_shared)
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = self._jit(self._fused(group))
+        return program(state, group.shared, group.varying)
+
+    def _fused(self, like: BatchGroup) -> Callable:
+        step, concatenate = self._step, self._concatenate
+
+        def fused(state, shared, varying):
+            group = BatchGroup(like.treedef, like.is_shared, shared, varying)
+            stacked = [jnp.stack(v) if isinstance(v, tuple) else v for v in varying]
+
+            def body(state, rows):
+                outputs, state = step(state, group.batch(rows))
+                return state, outputs
+
+            state, outputs = jax.lax.scan(body, state, stacked)
+            last_or_all = _join_steps if concatenate else (lambda o: o[-1])
+            return jax.tree.map(last_or_all, outputs), state
+
+        return fused
+
+
+def _next_group(iterator: Iterator, count: int) -> BatchGroup | list:
+    """The next `count` batches, as Keras's loop reads them.
+
+    As in Keras: the first batch must exist (`StopIteration` ends the
+    epoch), the others may be missing. A list when they cannot be fused.
+    """
+    read_group = getattr(iterator, "next_group", None)
+    if read_group is not None:  # The input lays out a whole group at once.
+        return read_group(count)
+    batches = [next(iterator)]
+    for _ in range(count - 1):
+        batch = next(iterator, _END)
+        if batch is _END:
+            break
+        batches.append(batch)
+    group = group_of(batches) if len(batches) == count else None
+    return batches if group is None else group
+
+
+_END = object()
+
+
+def _join_steps(outputs):
+    """(N, B, ...) outputs of N steps -> (N * B, ...), as Keras concatenates."""
+    return outputs.reshape((-1, *outputs.shape[2:]))
