@@ -13,6 +13,7 @@ NAMES = {
     "models remember their strategy)",
     "D": "tf.distribute.MirroredStrategy (TF backend)",
     "E": "hand-written jax.jit + optax (limit)",
+    "E32": "hand-written, 32 steps per dispatch (lax.scan; limit of B32)",
     "F": "keras_dist custom loop (strategy.run)",
 }
 
