@@ -29,9 +29,12 @@ def make_model(*, batch_norm: bool = False, dropout: float = 0.0) -> keras.Model
     return keras.Sequential(layers)
 
 
-def compile_model(model: keras.Model, optimizer="adam") -> keras.Model:
+def compile_model(
+    model: keras.Model, optimizer="adam", *, steps_per_execution: int = 1
+) -> keras.Model:
     model.compile(
         optimizer=optimizer,
+        steps_per_execution=steps_per_execution,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[
             "accuracy",

@@ -14,7 +14,13 @@ import numpy as np
 import tensorflow as tf
 
 import keras_dist as kd
-from tests._helpers import build_in_scope, initial_weights, make_data, make_model
+from tests._helpers import (
+    build_in_scope,
+    compile_model,
+    initial_weights,
+    make_data,
+    make_model,
+)
 
 N_TRAIN, N_EVAL, BATCH, EPOCHS = 101, 37, 16, 2  # 101 = 6 * 16 + 5: partial batch.
 
@@ -75,6 +81,22 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
     tf_model = build_in_scope(strategy, weights, batch_norm=True)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
     tf_history = tf_model.fit(dataset, epochs=EPOCHS, verbose=0)
+
+    # steps_per_execution=3: groups of 3 full batches run as one program
+    # (7 batches: 3 + 3 fused, the partial one through Keras's loop).
+    fused = build_in_scope(strategy, weights, batch_norm=True)
+    with strategy.scope():
+        compile_model(fused, steps_per_execution=3)
+    fused_history = fused.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
+    fused_predictions = fused.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
     return {
         "history": history.history,
         "weights": _listed(model.get_weights()),
@@ -84,6 +106,9 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
         "py_weights": _listed(py_model.get_weights()),
         "tf_history": tf_history.history,
         "tf_weights": _listed(tf_model.get_weights()),
+        "fused_history": fused_history.history,
+        "fused_weights": _listed(fused.get_weights()),
+        "fused_predict": fused_predictions.tolist(),
     }
 
 

@@ -78,6 +78,12 @@ def test_fit_evaluate_predict_match_one_process(cluster, n_devices):
         # tf.data under AutoShardPolicy.AUTO: the same global batches.
         assert_history_close(expected["tf_history"], got["tf_history"])
         assert_weights_close(expected["tf_weights"], got["tf_weights"])
+        # steps_per_execution=3, fused: the numbers of one step at a time.
+        assert_history_close(expected["history"], got["fused_history"])
+        assert_weights_close(expected["weights"], got["fused_weights"])
+        np.testing.assert_allclose(
+            got["fused_predict"], expected["predict"], rtol=1e-5, atol=1e-6
+        )
 
 
 def test_sparse_input_matches_one_device(cluster):
