@@ -15,7 +15,8 @@ API cannot express are done here, on Keras's JAX trainer
    `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
    first cuts a `PaddedBatch` back to its real rows, and wraps
    `JAXEpochIterator._enumerate_iterator` so a resumed `fit` replays its
-   input up to the backed-up step. In-memory arrays (`ArrayDataAdapter`)
+   input up to the backed-up step; `steps_per_execution` groups run as one
+   program each (`training/_fused_steps.py`). In-memory arrays (`ArrayDataAdapter`)
    may instead be laid out on the mesh once, each step gathered on the
    devices from the indices of Keras's own batching (`_array_input.py`).
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the

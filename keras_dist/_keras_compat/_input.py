@@ -15,7 +15,9 @@ trainer to it:
   `jit` the cut is a static slice of the sharded arrays; without `jit`
   (`run_eagerly=True`, `jit_compile=False`) it is an eager slice. Under a
   strategy that keeps its state in host memory, both also bring the state
-  to device memory (`_state_memory.py`).
+  to device memory (`_state_memory.py`). With `steps_per_execution > 1`
+  and a compiled step, `_make_function` runs each group of batches as one
+  program (`training/_fused_steps.py`), compiled as `_jit` compiled the step.
 - `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
   steps through Keras's own epoch iterator before the first real step.
 """
