@@ -18,11 +18,14 @@ trainer to it:
   to device memory (`_state_memory.py`). With `steps_per_execution > 1`
   and a compiled step, `_make_function` runs each group of batches as one
   program (`training/_fused_steps.py`), compiled as `_jit` compiled the step.
+  Each call of a step program adds its host time to the running call's
+  `StepStats` (`ScalingReport`).
 - `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
   steps through Keras's own epoch iterator before the first real step.
 """
 
 import functools
+import time
 from collections.abc import Callable
 
 import keras
@@ -86,7 +89,8 @@ def _jit(fun: Callable, *args, **kwargs):
         def compile_(program):
             return _originals["jit"](program, *args, **kwargs)
 
-    return _Unpadding(compile_(step), step, compile_)
+    steps = 1 if _is_state_step(kwargs) else 0  # (Keras also jits `concatenate`.)
+    return _Unpadding(compile_(step), step, compile_, steps=steps)
 
 
 def _is_state_step(jit_kwargs: dict) -> bool:
@@ -99,17 +103,26 @@ class _Unpadding:
 
     Keeps the step before compilation and how it was compiled, so that
     `steps_per_execution` groups compile a program of several steps the same
-    way (`training/_fused_steps.py`).
+    way (`training/_fused_steps.py`). Each call counts `steps` steps in the
+    running call's `StepStats` (0: not a step).
     """
 
-    def __init__(self, compiled: Callable, step: Callable, compile_: Callable):
+    def __init__(
+        self, compiled: Callable, step: Callable, compile_: Callable, *, steps: int
+    ):
         self._compiled = compiled
+        self._steps = steps
         self.step = step
         self.compile = compile_
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
+        if not self._steps:
+            return self._compiled(*args, **kwargs)
+        start = time.perf_counter()
+        outputs = self._compiled(*args, **kwargs)
+        _record_dispatch(start, self._steps)
+        return outputs
 
     def __getattr__(self, name):
         return getattr(self._compiled, name)
@@ -131,6 +144,7 @@ def _make_function(self, step_function, concatenate_outputs=False):
             step_function = gathered_outputs(step_function)
         if strategy is not None and strategy._state_off_device():
             step_function = _state_memory.eager_step(step_function, strategy)
+        step_function = _timed(step_function, steps=1)
     keras_loop = _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )
@@ -140,14 +154,34 @@ def _make_function(self, step_function, concatenate_outputs=False):
         and strategy is not None
         and strategy.input_options.fuse_steps
     ):
+        steps = self.steps_per_execution
         return FusedSteps(
             step_function.step,
-            step_function.compile,
-            steps=self.steps_per_execution,
+            lambda program: _timed(step_function.compile(program), steps=steps),
+            steps=steps,
             concatenate=concatenate_outputs,
             keras_loop=keras_loop,
         )
     return keras_loop
+
+
+def _timed(program: Callable, *, steps: int) -> Callable:
+    """`program`, each call counted as `steps` steps in the call's `StepStats`."""
+
+    @functools.wraps(program)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        outputs = program(*args, **kwargs)
+        _record_dispatch(start, steps)
+        return outputs
+
+    return timed
+
+
+def _record_dispatch(start: float, steps: int) -> None:
+    call = _call.active()
+    if call is not None:
+        call.step_stats.record(time.perf_counter() - start, steps)
 
 
 def _distribute_data(data, layouts=None):

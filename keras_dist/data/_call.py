@@ -6,17 +6,18 @@ lives here, in one declared object per call, instead of in attributes written
 on a strategy or a model for another module to read:
 
 - the strategy the call runs under, and the call's `initial_epoch`;
-- the global batch size seen on the first batch, and host input timings
-  (`LearningRateWarmup`, `ScalingReport`);
+- the global batch size seen on the first batch (`LearningRateWarmup`), and
+  the host time of its input and of its step calls (`ScalingReport`);
 - a pending resume (`BackupAndRestore` restores, the first training pass
   replays up to the backed-up step);
 - what must be undone when the call ends, however it ends (prefetch threads,
   signal handlers): `on_close`.
 
 Calls nest (`fit` runs `evaluate` for validation); a nested call shares the
-outermost call's timings and closers, so a pass that outlives one validation
+outermost call's closers, so a pass that outlives one validation
 (`validation_steps` keeps Keras's iterator across epochs) lives as long as the
-`fit`.
+`fit`. Timings are each call's own: a `fit`'s are those of its training
+steps, validation left out.
 """
 
 import contextlib
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_dist.data._input_stats import InputStats
+from keras_dist.data._step_stats import StepStats
 
 __all__ = ["CallState", "ResumePlan", "active", "enter"]
 
@@ -58,7 +60,8 @@ class CallState:
         initial_epoch: `fit`'s `initial_epoch` argument.
         parent: the enclosing call (validation inside `fit`), or None.
         batch_size: the global batch size of the first batch read, if any.
-        input_stats: host time spent producing batches (shared with parents).
+        input_stats: host time spent producing batches and waiting for them.
+        step_stats: steps run, programs dispatched, host time in the calls.
         resume: a pending `ResumePlan`, taken by the first training pass.
         check_batch: called with each host batch the input pipeline reads and
             its index in the pass, before it is laid out (the targets checks
@@ -77,6 +80,7 @@ class CallState:
     parent: "CallState | None" = None
     batch_size: int | None = None
     input_stats: InputStats = dataclasses.field(default_factory=InputStats)
+    step_stats: StepStats = dataclasses.field(default_factory=StepStats)
     resume: ResumePlan | None = None
     check_batch: Callable[[Any, int], None] | None = None
     validates: bool | None = None
@@ -135,7 +139,6 @@ def enter(method: str, strategy: Any, *, initial_epoch: int = 0) -> Iterator[Cal
         strategy=strategy,
         initial_epoch=initial_epoch,
         parent=parent,
-        input_stats=parent.root.input_stats if parent else InputStats(),
     )
     _STACK.append(state)
     try:

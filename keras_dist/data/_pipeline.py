@@ -205,6 +205,7 @@ class InputPass:
             call=call,
         )
         self._out = self._reader.produced(keras)
+        self._stats = call.input_stats if call is not None else None
         self._prefetcher = None
         self._read_first = False
         if prefetch:
@@ -229,6 +230,13 @@ class InputPass:
         return self
 
     def __next__(self) -> Any:
+        start = time.perf_counter()
+        batch = self._next()
+        if self._stats is not None:  # The step loop's wait for the batch.
+            self._stats.record_wait(time.perf_counter() - start)
+        return batch
+
+    def _next(self) -> Any:
         prefetcher = self._prefetcher
         if prefetcher is None:
             return next(self._out)

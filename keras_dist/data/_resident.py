@@ -83,6 +83,9 @@ class ResidentPass:
         self._indices = iter(index_batches)
         self._call = call
         self._first = True
+        # Per step, only the indices change: what does not is read once.
+        self._replicas = strategy.num_replicas_in_sync
+        self._group_form = None  # (treedef, is_shared, shared) of a `BatchGroup`.
 
     def skip(self, count: int) -> int:
         """Passes over `count` batches (a resumed `fit`); returns how many."""
@@ -98,7 +101,7 @@ class ResidentPass:
         start = time.perf_counter()
         indices = _as_indices(next(self._indices), self._resident.rows)
         batch = self._lay_out(indices)
-        self._record(start, len(indices))
+        self._record(start, len(indices), 1)
         return batch
 
     def next_group(self, count: int) -> BatchGroup | list:
@@ -115,18 +118,22 @@ class ResidentPass:
         if not group:
             raise StopIteration
         size = len(group[0])
-        self._record(start, size)
-        uneven = size % self._strategy.num_replicas_in_sync
+        uneven = size % self._replicas
         if len(group) < count or uneven or any(len(i) != size for i in group):
-            return [self._lay_out(indices) for indices in group]
+            batches = [self._lay_out(indices) for indices in group]
+            self._record(start, size, len(group))
+            return batches
         stacked = self._strategy.shard_steps(np.stack(group))
-        leaves, treedef = jax.tree.flatten(self._batch(0, None))
-        is_shared = (True,) * (len(leaves) - 1) + (False,)  # The indices vary.
-        return BatchGroup(treedef, is_shared, tuple(leaves[:-1]), (stacked,))
+        if self._group_form is None:
+            leaves, treedef = jax.tree.flatten(self._batch(0, None))
+            is_shared = (True,) * (len(leaves) - 1) + (False,)  # Indices vary.
+            self._group_form = (treedef, is_shared, tuple(leaves[:-1]))
+        self._record(start, size, count)
+        return BatchGroup(*self._group_form, (stacked,))
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
-        padded = round_up(size, self._strategy.num_replicas_in_sync)
+        padded = round_up(size, self._replicas)
         if padded != size:
             indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
         return self._batch(
@@ -143,12 +150,18 @@ class ResidentPass:
             self._strategy.take_rows,
         )
 
-    def _record(self, start: float, size: int) -> None:
+    def _record(self, start: float, size: int, batches: int) -> None:
+        """`batches` batches of `size` rows were laid out since `start`.
+
+        On the step loop's thread: producing them is also what it waited for.
+        """
         if self._call is not None:
             if self._first:
                 self._call.observe_batch_size(size)
             seconds = time.perf_counter() - start
-            self._call.input_stats.record(seconds, first=self._first)
+            stats = self._call.input_stats
+            stats.record(seconds, first=self._first, batches=batches)
+            stats.record_wait(seconds, batches)
         self._first = False
 
     def close(self) -> None:

@@ -49,10 +49,12 @@ class ResidentBatch:
         return as_padded_batch(jax.tree.unflatten(self.treedef, rows), self.num_real)
 
 
-jax.tree_util.register_pytree_node(
+# Flattened by JAX's own (C++) node for these fields: a step's call passes
+# its batch with no Python callback (the structure and count are static).
+jax.tree_util.register_dataclass(
     ResidentBatch,
-    lambda b: ((b.arrays, b.indices), (b.treedef, b.num_real)),
-    lambda aux, children: ResidentBatch(*children, *aux),
+    data_fields=["arrays", "indices"],
+    meta_fields=["treedef", "num_real"],
 )
 
 

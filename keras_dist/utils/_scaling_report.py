@@ -10,12 +10,18 @@ import keras
 from keras_dist.data import _call
 from keras_dist.strategies._memory_report import MemoryReport
 from keras_dist.strategies._ownership import strategy_of_model
+from keras_dist.utils._step_breakdown import (
+    Interval,
+    Tally,
+    breakdown_line,
+    step_breakdown,
+)
 
 __all__ = ["ScalingReport"]
 
 
 class ScalingReport(keras.callbacks.Callback):
-    """Measures a `fit`: step time, throughput, input time, compile time.
+    """Measures a `fit`: step time and where it goes, throughput, compile time.
 
     Add it to any `fit` (with or without a keras_dist strategy). It never
     blocks a step: Keras dispatches JAX steps asynchronously, so step times
@@ -27,6 +33,29 @@ class ScalingReport(keras.callbacks.Callback):
     time close to the step time means the steps wait for their input: above
     `input_bound_fraction` of the step the summary calls the run
     input-bound.
+
+    It also says where a step's time goes, per step of the same epochs:
+
+    - **input**: host time the step loop waited for its batch (keras_dist
+      input only: with a prefetch thread, only the part not hidden behind
+      the previous step);
+    - **dispatch**: host time inside the call of the compiled step: Keras's
+      and keras_dist's Python around it and JAX's dispatch, which returns
+      before the devices finish — or, once the devices are several steps
+      behind, waits for them there (a device-bound run shows a long
+      dispatch); with `steps_per_execution=N` fused into one program, one
+      dispatch runs N steps;
+    - **device**: the rest of the step's wall time: waiting for the devices
+      (at the epoch's end, when Keras reads the results) and the rest of
+      Keras's loop (callbacks).
+
+    The three add up to the step time (the mean over the same epochs):
+    `result["breakdown"]` holds each in ms per step (`input_ms`,
+    `dispatch_ms`, `device_ms`, `step_ms`) and as a share of the step
+    (`input_share`, ...); `result["dispatch_ms_per_step"]` and
+    `result["device_ms_per_step"]` repeat two of them, and
+    `result["dispatches"]`, `result["steps_per_dispatch"]` count the step
+    programs called. Only clocks are read: no step is made to wait.
 
     With a keras_dist strategy it also reports where the model's state lives
     (`strategy.memory_report(model)`): bytes of weights and optimizer state
@@ -41,6 +70,7 @@ class ScalingReport(keras.callbacks.Callback):
     report = kd.utils.ScalingReport()
     model.fit(x, y, batch_size=256, epochs=3, callbacks=[report])
     report.result["ms_per_step"], report.result["examples_per_second"]
+    report.result["breakdown"]  # {"step_ms": ..., "input_ms": ..., ...}
     ```
 
     Args:
@@ -76,21 +106,24 @@ class ScalingReport(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._strategy = strategy_of_model(self.model)
-        self._call = _call.active()  # The fit's: its input timings.
-        self._epochs: list[tuple[float, int]] = []  # (train seconds, steps)
+        self._call = _call.active()  # The fit's: its input and step timings.
+        self._epochs: list[Interval] = []
+        self._warm: Interval | None = None  # Epoch 1 after its first step.
         self._first_step = None
         self._start = time.perf_counter()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()
-        self._epoch_steps = 0
+        self._epoch_tally = self._tally()
+        self._executions = 0  # Keras's loop: one per `steps_per_execution` steps.
         self._validation = 0.0
 
     def on_train_batch_begin(self, batch, logs=None):
-        now = time.perf_counter()
-        if self._epoch_steps == 1 and not self._epochs:
-            self._first_step = now - self._epoch_start  # Includes compilation.
-        self._epoch_steps += 1
+        if self._executions == 1 and not self._epochs:
+            self._first_step = time.perf_counter() - self._epoch_start  # Compiles.
+            self._warm_tally = self._tally()
+            self._first_steps = (self._warm_tally - self._epoch_tally).steps or 1
+        self._executions += 1
 
     def on_test_begin(self, logs=None):
         self._test_start = time.perf_counter()
@@ -101,12 +134,29 @@ class ScalingReport(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         # Keras has waited for this epoch's results: the time is real.
         seconds = time.perf_counter() - self._epoch_start - self._validation
-        self._epochs.append((seconds, self._epoch_steps))
+        tally = self._tally()
+        interval = Interval(seconds, tally - self._epoch_tally, self._executions)
+        if not self._epochs and self._first_step is not None:
+            self._warm = Interval(
+                seconds - self._first_step,
+                tally - self._warm_tally,
+                self._executions - 1,
+            )
+        self._epochs.append(interval)
 
     def on_train_end(self, logs=None):
         self.result = self._summarize(time.perf_counter() - self._start)
         if self.print_summary and jax.process_index() == 0:
             print(self.format(), file=sys.stdout, flush=True)
+
+    def _tally(self) -> Tally:
+        call = self._call
+        if call is None:
+            return Tally()
+        steps, inputs = call.step_stats, call.input_stats
+        return Tally(
+            steps.steps, steps.dispatches, steps.seconds, inputs.taken, inputs.waited
+        )
 
     # Reporting -------------------------------------------------------------
 
@@ -116,18 +166,20 @@ class ScalingReport(keras.callbacks.Callback):
         batch = call.batch_size if call is not None else None
         if batch is None:
             batch = self.params.get("batch_size") if self.params else None
-        steady = [s / n for s, n in self._epochs[1:] if n]
-        first_seconds, first_steps = self._epochs[0] if self._epochs else (0.0, 0)
-        if not steady and first_steps > 1 and self._first_step is not None:
-            steady = [(first_seconds - self._first_step) / (first_steps - 1)]
+        timed = [i for i in self._epochs[1:] if i.steps]
+        if not timed and self._warm is not None and self._warm.steps:
+            timed = [self._warm]
+        steady = [i.seconds / i.steps for i in timed]
         step = statistics.median(steady) if steady else None
         compile_seconds = None
         if self._first_step is not None and step is not None:
-            compile_seconds = max(0.0, self._first_step - step)
+            compile_seconds = max(0.0, self._first_step - step * self._first_steps)
         input_step = None
         if call is not None:
             input_step = call.input_stats.seconds_per_batch
         fraction = input_step / step if input_step is not None and step else None
+        breakdown = step_breakdown(timed)
+        everything = sum((i.tally for i in self._epochs), Tally())
         memory = None if strategy is None else strategy.memory_report(self.model)
         return {
             "strategy": repr(strategy) if strategy is not None else None,
@@ -135,7 +187,7 @@ class ScalingReport(keras.callbacks.Callback):
             "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
             "global_batch": batch,
             "epochs": len(self._epochs),
-            "steps": sum(n for _, n in self._epochs),
+            "steps": sum(i.steps for i in self._epochs),
             "ms_per_step": None if step is None else step * 1e3,
             "ms_per_step_epochs": [s * 1e3 for s in steady],
             "steps_per_second": None if not step else 1.0 / step,
@@ -146,6 +198,15 @@ class ScalingReport(keras.callbacks.Callback):
             "input_bound": bool(
                 fraction is not None and fraction > self.input_bound_fraction
             ),
+            "dispatch_ms_per_step": breakdown["dispatch_ms"] if breakdown else None,
+            "device_ms_per_step": breakdown["device_ms"] if breakdown else None,
+            "dispatches": everything.dispatches,
+            "steps_per_dispatch": (
+                everything.steps / everything.dispatches
+                if everything.dispatches
+                else None
+            ),
+            "breakdown": breakdown,
             "total_seconds": total,
             "memory": None if memory is None else _memory_summary(memory),
         }
@@ -176,6 +237,14 @@ class ScalingReport(keras.callbacks.Callback):
                 else f" = {r['input_fraction']:.0%} of the step"
             ),
         ]
+        if r["breakdown"] is not None:
+            lines.append(breakdown_line(r["breakdown"]))
+        if r["steps_per_dispatch"] is not None:
+            each = r["steps_per_dispatch"]
+            lines.append(
+                f"  dispatches      {r['dispatches']} ({each:g} "
+                f"step{'' if each == 1 else 's'} each)"
+            )
         if r["memory"] is not None:
             lines += _memory_lines(r["memory"])
         if r["input_bound"]:

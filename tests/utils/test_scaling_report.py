@@ -1,5 +1,6 @@
 """kd.utils.ScalingReport: what it measures during a real fit."""
 
+import re
 import time
 
 import keras
@@ -7,7 +8,41 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
+from keras_dist.data import _call
+from keras_dist.data._resident import ResidentPass, lay_out_resident
+from tests._helpers import (
+    build_in_scope,
+    compile_model,
+    initial_weights,
+    make_data,
+    mirrored,
+)
+
+_BREAKDOWN_LINE = re.compile(
+    r"breakdown +step time (\d+\.\d\d) ms = input (\d+\.\d\d|n/a) \+ "
+    r"dispatch (\d+\.\d\d) \+ device (\d+\.\d\d) ms/step "
+    r"\((\d+%|n/a) / \d+% / \d+%\)"
+)
+
+
+def _assert_breakdown_adds_up(r):
+    """The parts of a step add up to its mean wall time.
+
+    Input (the step loop's wait for a batch) and dispatch (its calls of the
+    step program) are disjoint intervals of one thread inside the timed
+    epochs, and device is the rest: the sum is the step time to float
+    rounding (1e-9), and the two measured parts alone never exceed it.
+    """
+    b = r["breakdown"]
+    parts = [b["input_ms"] or 0.0, b["dispatch_ms"], b["device_ms"]]
+    assert all(part >= 0 for part in parts)
+    assert b["dispatch_ms"] > 0
+    assert sum(parts) == pytest.approx(b["step_ms"], rel=1e-9)
+    assert parts[0] + parts[1] <= b["step_ms"] * (1 + 1e-9)
+    shares = [b["input_share"] or 0.0, b["dispatch_share"], b["device_share"]]
+    assert sum(shares) == pytest.approx(1.0, rel=1e-9)
+    assert r["dispatch_ms_per_step"] == b["dispatch_ms"]
+    assert r["device_ms_per_step"] == b["device_ms"]
 
 
 def test_report_of_a_mirrored_fit():
@@ -25,8 +60,56 @@ def test_report_of_a_mirrored_fit():
     assert r["compile_seconds"] > 0
     assert 0 < r["input_ms_per_step"] < r["ms_per_step"] * 10
     assert r["total_seconds"] >= sum(r["ms_per_step_epochs"]) / 1e3 * 4
+    # Where the time goes: validation (64 rows, 1 step an epoch) left out.
+    _assert_breakdown_adds_up(r)
+    assert r["breakdown"]["input_ms"] > 0  # Device-resident: laid out per step.
+    # Two timed epochs of 4 steps each: their mean is their median.
+    assert r["breakdown"]["step_ms"] == pytest.approx(r["ms_per_step"], rel=1e-9)
+    assert r["dispatches"] == 12 and r["steps_per_dispatch"] == 1
     text = report.format()
     assert "ScalingReport" in text and "replicas 8" in text
+    line = _BREAKDOWN_LINE.search(text)
+    assert line is not None, text
+    b = r["breakdown"]
+    expected = [b["step_ms"], b["input_ms"], b["dispatch_ms"], b["device_ms"]]
+    assert [float(v) for v in line.groups()[:4]] == pytest.approx(expected, abs=0.006)
+    assert "dispatches      12 (1 step each)" in text
+
+
+@pytest.mark.parametrize("fuse_steps", [True, False])
+def test_steps_per_execution_counts_steps_and_dispatches(fuse_steps, capsys):
+    """steps_per_execution=4: one program a group when fused, four if not."""
+    x, y, _ = make_data(256)
+    strategy = mirrored(8)
+    strategy.input_options = kd.InputOptions(fuse_steps=fuse_steps)
+    model = build_in_scope(strategy, initial_weights())
+    compile_model(model, steps_per_execution=4)
+    report = kd.utils.ScalingReport()
+    model.fit(x, y, batch_size=16, epochs=3, callbacks=[report], verbose=0)
+    r = report.result
+    assert r["steps"] == 3 * 16  # Steps, not Keras's groups of 4.
+    assert len(r["ms_per_step_epochs"]) == 2
+    _assert_breakdown_adds_up(r)
+    if fuse_steps:
+        assert r["dispatches"] == r["steps"] / 4 and r["steps_per_dispatch"] == 4
+        assert "dispatches      12 (4 steps each)" in capsys.readouterr().out
+    else:
+        assert r["dispatches"] == r["steps"] and r["steps_per_dispatch"] == 1
+
+
+def test_a_fused_group_counts_its_batches():
+    """A device-resident group of 4 batches, laid out at once, is 4 batches."""
+    x, y, _ = make_data(64)
+    strategy = mirrored(8)
+    state = _call.CallState(method="fit", strategy=strategy)
+    resident = lay_out_resident(strategy, (x, y))
+    batches = (slice(i, i + 8) for i in range(0, 64, 8))
+    input_pass = ResidentPass(strategy, resident, batches, call=state)
+    input_pass.next_group(4)  # The pass's first: its time is kept apart.
+    input_pass.next_group(4)
+    stats = state.input_stats
+    assert stats.batches == 4 and stats.taken == 8 and state.batch_size == 8
+    assert stats.seconds > 0 and stats.first_seconds > 0 and stats.waited > 0
 
 
 class _SlowBatches(keras.utils.PyDataset):
@@ -52,6 +135,10 @@ def test_an_input_bound_fit_is_called_so(capsys):
     r = report.result
     assert r["input_ms_per_step"] >= 30
     assert r["input_bound"] and r["input_fraction"] > 0.5
+    # The step loop waits for each batch: 30 ms, less what one step (a few
+    # ms) hides behind the prefetch thread.
+    _assert_breakdown_adds_up(r)
+    assert r["breakdown"]["input_ms"] >= 15 and r["breakdown"]["input_share"] > 0.5
     assert "INPUT-BOUND" in capsys.readouterr().out
 
 
@@ -82,10 +169,16 @@ def test_plain_keras_fit_has_no_input_numbers():
     model.compile(optimizer="sgd", loss="mse")
     report = kd.utils.ScalingReport(print_summary=False)
     model.fit(x, np.eye(3)[y], batch_size=16, epochs=2, callbacks=[report], verbose=0)
-    assert report.result["strategy"] is None and report.result["replicas"] == 1
-    assert report.result["input_ms_per_step"] is None
-    assert report.result["ms_per_step"] > 0
-    assert report.result["memory"] is None
+    r = report.result
+    assert r["strategy"] is None and r["replicas"] == 1
+    assert r["input_ms_per_step"] is None
+    assert r["ms_per_step"] > 0
+    assert r["memory"] is None
+    # Keras's own input is not timed: its wait counts in the rest (device).
+    _assert_breakdown_adds_up(r)
+    assert r["breakdown"]["input_ms"] is None and r["breakdown"]["input_share"] is None
+    assert r["dispatches"] == r["steps"] == 2 * 4
+    assert "input n/a + dispatch" in report.format()
 
 
 def test_bad_threshold():
