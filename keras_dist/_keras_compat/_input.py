@@ -132,8 +132,9 @@ def _make_function(self, step_function, concatenate_outputs=False):
     """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly.
 
     A compiled step with `steps_per_execution > 1` runs its groups of batches
-    as one program each (`FusedSteps`), unless the strategy's
-    `input_options.fuse_steps` is off.
+    as one program each (`FusedSteps`) while the strategy's
+    `input_options.fuse_steps` is on (read at each group: Keras keeps the
+    step functions it made across calls).
     """
     strategy = current_strategy()
     if not isinstance(step_function, _Unpadding):
@@ -152,7 +153,6 @@ def _make_function(self, step_function, concatenate_outputs=False):
         isinstance(step_function, _Unpadding)
         and self.steps_per_execution > 1
         and strategy is not None
-        and strategy.input_options.fuse_steps
     ):
         steps = self.steps_per_execution
         return FusedSteps(
@@ -161,6 +161,7 @@ def _make_function(self, step_function, concatenate_outputs=False):
             steps=steps,
             concatenate=concatenate_outputs,
             keras_loop=keras_loop,
+            enabled=lambda: strategy.input_options.fuse_steps,
         )
     return keras_loop
 

@@ -46,6 +46,8 @@ class FusedSteps:
             keeping the last step's (fit, evaluate).
         keras_loop: Keras's own `iterator_step` over the one-step program,
             for groups that cannot be fused.
+        enabled: whether to fuse, asked at each group (the strategy's
+            `input_options.fuse_steps`); Keras's loop when it says no.
     """
 
     def __init__(
@@ -56,15 +58,19 @@ class FusedSteps:
         steps: int,
         concatenate: bool,
         keras_loop: Callable,
+        enabled: Callable[[], bool] = lambda: True,
     ):
         self._step = step
         self._jit = jit
         self._steps = steps
         self._concatenate = concatenate
         self._keras_loop = keras_loop
+        self._enabled = enabled
         self._programs: dict[Any, Callable] = {}
 
     def __call__(self, state, iterator: Iterator):
+        if not self._enabled():
+            return self._keras_loop(state, iterator)
         group = _next_group(iterator, self._steps)
         if not isinstance(group, BatchGroup):
             return self._keras_loop(state, iter(group))

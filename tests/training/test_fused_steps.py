@@ -317,6 +317,20 @@ def test_a_group_is_one_call(dispatches, kind, rows, fuse, expected):
     assert spy.calls == {"fit": expected, "evaluate": expected, "predict": expected}
 
 
+def test_fuse_steps_set_between_calls_takes_effect(dispatches):
+    """Keras keeps its step functions across calls: the option is read per group."""
+    strategy = _strategy("mirrored")
+    net = _model(strategy, 4)
+    fit = _input("numpy", Case(64, 8, 4), "fit")
+    calls = []
+    for fuse in (True, False, True):
+        strategy.input_options = kd.InputOptions(fuse_steps=fuse)
+        spy = _PerCall(dispatches)
+        net.fit(**fit, epochs=1, shuffle=False, callbacks=[spy], verbose=0)
+        calls.append(spy.calls["fit"])
+    assert calls == [(2, 0), (0, 8), (2, 0)]
+
+
 # 4. Callbacks ----------------------------------------------------------------
 
 
