@@ -43,8 +43,11 @@ class _Batches(keras.utils.PyDataset):
         return tuple(a[index * BATCH : (index + 1) * BATCH] for a in self.arrays)
 
 
-def fit_run(strategy, workdir: str | None = None) -> dict:
-    """fit (NumPy and tf.data), evaluate and predict, with a partial last batch."""
+def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dict:
+    """fit (NumPy and tf.data), evaluate and predict, with a partial last batch.
+
+    With `fused`, also a fit and predict with `steps_per_execution=3`.
+    """
     x, y, sw = make_data(N_TRAIN)
     weights = initial_weights(batch_norm=True)
     model = build_in_scope(strategy, weights, batch_norm=True)
@@ -82,21 +85,6 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
     dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
     tf_history = tf_model.fit(dataset, epochs=EPOCHS, verbose=0)
 
-    # steps_per_execution=3: groups of 3 full batches run as one program
-    # (7 batches: 3 + 3 fused, the partial one through Keras's loop).
-    fused = build_in_scope(strategy, weights, batch_norm=True)
-    with strategy.scope():
-        compile_model(fused, steps_per_execution=3)
-    fused_history = fused.fit(
-        x,
-        y,
-        sample_weight=sw,
-        batch_size=BATCH,
-        epochs=EPOCHS,
-        shuffle=False,
-        verbose=0,
-    )
-    fused_predictions = fused.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
     return {
         "history": history.history,
         "weights": _listed(model.get_weights()),
@@ -106,9 +94,32 @@ def fit_run(strategy, workdir: str | None = None) -> dict:
         "py_weights": _listed(py_model.get_weights()),
         "tf_history": tf_history.history,
         "tf_weights": _listed(tf_model.get_weights()),
-        "fused_history": fused_history.history,
-        "fused_weights": _listed(fused.get_weights()),
-        "fused_predict": fused_predictions.tolist(),
+        **(_fused_run(strategy, weights, x, y, sw) if fused else {}),
+    }
+
+
+def _fused_run(strategy, weights, x, y, sw) -> dict:
+    """steps_per_execution=3: groups of 3 full batches run as one program.
+
+    7 batches an epoch: 3 + 3 fused, the partial one through Keras's loop.
+    """
+    model = build_in_scope(strategy, weights, batch_norm=True)
+    with strategy.scope():
+        compile_model(model, steps_per_execution=3)
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+    )
+    predictions = model.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
+    return {
+        "fused_history": history.history,
+        "fused_weights": _listed(model.get_weights()),
+        "fused_predict": predictions.tolist(),
     }
 
 

@@ -111,7 +111,7 @@ results = {
     "num_processes": strategy.num_processes,
     "replicas": strategy.num_replicas_in_sync,
     "is_chief": strategy.is_chief,
-    "fit": _workload.fit_run(strategy, workdir),
+    "fit": _workload.fit_run(strategy, workdir, fused=True),
     "loop": _workload.custom_loop_run(strategy),
     "sparse": _workload.sparse_run(strategy),
     "eager_predict": eager_predict(),

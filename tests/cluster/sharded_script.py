@@ -74,8 +74,11 @@ for name, strategy in built.items():
         "num_processes": strategy.num_processes,
         "parts": parts(strategy),
         "fit": _workload.fit_run(strategy, checkpoints),
-        "gpt2": gpt2_run(strategy),
     }
+# FSDP splits every weight over both processes: the transformer runs there;
+# ZeRO-1 and ParameterServer run it on 8 devices of one process
+# (tests/strategies/test_sharded_models.py), the MLP workload here.
+results["fsdp"]["gpt2"] = gpt2_run(built["fsdp"])
 results["fsdp"]["loop"] = _workload.custom_loop_run(built["fsdp"])
 with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
     json.dump(results, f)
