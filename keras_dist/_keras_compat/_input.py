@@ -111,18 +111,13 @@ class _Unpadding:
         self, compiled: Callable, step: Callable, compile_: Callable, *, steps: int
     ):
         self._compiled = compiled
-        self._steps = steps
+        self._call_step = _timed(compiled, steps=steps) if steps else compiled
         self.step = step
         self.compile = compile_
         functools.update_wrapper(self, compiled)
 
     def __call__(self, *args, **kwargs):
-        if not self._steps:
-            return self._compiled(*args, **kwargs)
-        start = time.perf_counter()
-        outputs = self._compiled(*args, **kwargs)
-        _record_dispatch(start, self._steps)
-        return outputs
+        return self._call_step(*args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._compiled, name)
