@@ -72,6 +72,10 @@ API cannot express are done here, on Keras's JAX trainer
     replica (each replica would decide alone to skip a step) with the fix,
     `all_reduce("sum", grads)`, instead of a JAX error about manual axes.
 
+11. **Keras's per-step loop without no-op work** (`_loop.py`): the state
+    between steps is stored untracked, and batch callbacks that no callback
+    overrides are not dispatched.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -98,6 +102,7 @@ from keras_dist._keras_compat._input import (
 )
 from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
 from keras_dist._keras_compat._jax_seams import find as _find
+from keras_dist._keras_compat._loop import BATCH_HOOKS, _batch_hook, _layer_setattr
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._optimizer import (
     _add_variable_from_reference,
@@ -184,6 +189,11 @@ _SEAMS: tuple = (
     ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
     (_ARRAYS, "array_data_adapter.ArrayDataAdapter._get_iterator", None),
     (_ARRAYS, "array_slicing.convert_to_sliceable", None),
+    ("keras.src.layers.layer", "Layer.__setattr__", _layer_setattr),
+    *(
+        ("keras.src.callbacks.callback_list", f"CallbackList.{name}", _batch_hook(name))
+        for name in BATCH_HOOKS
+    ),
 )
 
 
