@@ -33,7 +33,7 @@ def gpt2() -> keras.Model:
     }
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCAB,
-        num_layers=2,
+        num_layers=1,
         num_heads=2,
         hidden_dim=16,
         intermediate_dim=32,

@@ -10,7 +10,7 @@ evaluate and predict, batch 16: last batches of 13 and 11 rows), and ZeRO-1
 the bits of plain `MirroredStrategy`.
 
 The models: the seeds' MNIST CNN on 28x28x1 (Conv2D 32 -> MaxPool -> Dense
-64 -> Dense 10) and `keras_hub.models.GPT2Backbone` (2 layers, hidden 16,
+64 -> Dense 10) and `keras_hub.models.GPT2Backbone` (1 layer, hidden 16,
 vocabulary 64, random weights, dropout 0 so every run draws no random
 numbers) under a Dense head, trained on next-token prediction with the
 padding mask as sample weight. Every run starts from the same weights.
