@@ -42,6 +42,7 @@ from keras_dist.data._replica_rows import tracking
 from keras_dist.data._resident_batch import gathering
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._pacing import Pacer
 from keras_dist.training._fused_steps import FusedSteps
 
 __all__ = [
@@ -90,7 +91,8 @@ def _jit(fun: Callable, *args, **kwargs):
             return _originals["jit"](program, *args, **kwargs)
 
     steps = 1 if _is_state_step(kwargs) else 0  # (Keras also jits `concatenate`.)
-    return _Unpadding(compile_(step), step, compile_, steps=steps)
+    pacer = None if strategy is None else strategy._pacer
+    return _Unpadding(compile_(step), step, compile_, steps=steps, pacer=pacer)
 
 
 def _is_state_step(jit_kwargs: dict) -> bool:
@@ -104,14 +106,23 @@ class _Unpadding:
     Keeps the step before compilation and how it was compiled, so that
     `steps_per_execution` groups compile a program of several steps the same
     way (`training/_fused_steps.py`). Each call counts `steps` steps in the
-    running call's `StepStats` (0: not a step).
+    running call's `StepStats` (0: not a step) and is paced by `pacer`.
     """
 
     def __init__(
-        self, compiled: Callable, step: Callable, compile_: Callable, *, steps: int
+        self,
+        compiled: Callable,
+        step: Callable,
+        compile_: Callable,
+        *,
+        steps: int,
+        pacer: Pacer | None,
     ):
         self._compiled = compiled
-        self._call_step = _timed(compiled, steps=steps) if steps else compiled
+        self._call_step = (
+            _timed(compiled, steps=steps, pacer=pacer) if steps else compiled
+        )
+        self.pacer = pacer
         self.step = step
         self.compile = compile_
         functools.update_wrapper(self, compiled)
@@ -140,7 +151,8 @@ def _make_function(self, step_function, concatenate_outputs=False):
             step_function = gathered_outputs(step_function)
         if strategy is not None and strategy._state_off_device():
             step_function = _state_memory.eager_step(step_function, strategy)
-        step_function = _timed(step_function, steps=1)
+        pacer = None if strategy is None else strategy._pacer
+        step_function = _timed(step_function, steps=1, pacer=pacer)
     keras_loop = _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )
@@ -152,7 +164,9 @@ def _make_function(self, step_function, concatenate_outputs=False):
         steps = self.steps_per_execution
         return FusedSteps(
             step_function.step,
-            lambda program: _timed(step_function.compile(program), steps=steps),
+            lambda program: _timed(
+                step_function.compile(program), steps=steps, pacer=strategy._pacer
+            ),
             steps=steps,
             concatenate=concatenate_outputs,
             keras_loop=keras_loop,
@@ -161,14 +175,19 @@ def _make_function(self, step_function, concatenate_outputs=False):
     return keras_loop
 
 
-def _timed(program: Callable, *, steps: int) -> Callable:
-    """`program`, each call counted as `steps` steps in the call's `StepStats`."""
+def _timed(program: Callable, *, steps: int, pacer: Pacer | None) -> Callable:
+    """`program`, each call counted as `steps` steps in the call's `StepStats`.
+
+    After each call, `pacer` bounds the programs in flight (CPU devices).
+    """
 
     @functools.wraps(program)
     def timed(*args, **kwargs):
         start = time.perf_counter()
         outputs = program(*args, **kwargs)
         _record_dispatch(start, steps)
+        if pacer is not None:
+            pacer.after(outputs)
         return outputs
 
     return timed

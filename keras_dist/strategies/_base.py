@@ -13,6 +13,7 @@ from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
+from keras_dist.strategies._pacing import Pacer
 from keras_dist.strategies._placement import Placement
 from keras_dist.strategies._state_layout import StateLayout
 from keras_dist.strategies._values import ReduceOp
@@ -57,6 +58,7 @@ class Strategy(StateLayout, Placement, keras.distribution.DataParallel):
         # ids of the batches `shard` laid out, while they live (`_placement`).
         self._laid_out_batches: dict[int, None] = {}
         self._input_options = InputOptions()
+        self._pacer = Pacer(self.devices)  # Programs in flight (CPU devices).
 
     @property
     def num_replicas_in_sync(self) -> int:

@@ -78,7 +78,9 @@ def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     if compiled is None:
         compiled = _compile(strategy, fn, treedef, kinds, statics, batch, values)
         strategy._run_cache[key] = compiled
-    return compiled(values)
+    outputs = compiled(values)
+    strategy._pacer.after(outputs)
+    return outputs
 
 
 def _classify(strategy, leaves, tree):

@@ -1,13 +1,14 @@
 """BackupAndRestore interrupted by an exception and resumed in one process.
 
-Endless inputs read `steps_per_epoch` steps an epoch: a fit on a repeated tf.data pipeline (tf's multi-worker tutorial) or on an
-infinite generator, interrupted mid-epoch 2 and run again with the same
-backup directory, replays its input by steps (never waiting for the end of
-an endless pass) and ends bit-identical to an uninterrupted fit. Here the
-interruption is an exception inside the process; the kill of a real process
-and its restart are tested with the finite pipeline read by
-`steps_per_epoch` in test_backup_and_restore.py (the replay code is the
-same for all three inputs).
+Endless inputs read `steps_per_epoch` steps an epoch: a fit on a repeated
+tf.data pipeline (tf's multi-worker tutorial) or on an infinite generator,
+interrupted mid-epoch 2 and run again with the same backup directory,
+replays its input by steps (never waiting for the end of an endless pass)
+and ends bit-identical to an uninterrupted fit. Here the interruption is an
+exception inside the process; the kill of a real process and its restart
+are tested with the finite pipeline read by `steps_per_epoch` in
+test_backup_and_restore.py (the replay code is the same for all three
+inputs).
 
 A backup written by another model is refused with the shapes that differ.
 """
@@ -63,9 +64,7 @@ def _fit(kind, callbacks, width=16):
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    history = model.fit(
-        epochs=EPOCHS, verbose=0, callbacks=callbacks, **_input(kind)
-    )
+    history = model.fit(epochs=EPOCHS, verbose=0, callbacks=callbacks, **_input(kind))
     return model, history.history
 
 

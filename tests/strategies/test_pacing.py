@@ -1,0 +1,77 @@
+"""Programs in flight on CPU devices are bounded (`strategies/_pacing.py`).
+
+XLA:CPU admits 32 programs in flight per device; when fast steps with an
+all-reduce fill that, it can deadlock and abort the process after 40 s. On
+this project's 2-core box, one epoch of 400 steps of a Flatten -> Dense
+model on 8 CPU devices (`pacing_script.py`) aborted 2 of 2 times with the
+pacer off (`unpaced`) and finished 4 of 4 times (7-8 s) with it on; the
+run here is the paced one, in its own process (an abort ends the process).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import keras_dist as kd
+from keras_dist.strategies._pacing import DEPTH, Pacer
+
+SCRIPT = pathlib.Path(__file__).with_name("pacing_script.py")
+
+
+def test_only_several_cpu_devices_are_paced():
+    assert Pacer(jax.devices()).enabled
+    assert not Pacer(jax.devices()[:1]).enabled
+    tpus = [types.SimpleNamespace(platform="tpu") for _ in range(8)]
+    assert not Pacer(tpus).enabled
+    assert kd.MirroredStrategy()._pacer.enabled
+    assert not kd.OneDeviceStrategy("cpu:0")._pacer.enabled
+
+
+def test_at_most_depth_programs_are_in_flight():
+    strategy = kd.MirroredStrategy()
+    replicated = NamedSharding(strategy.mesh, PartitionSpec())
+    rows = NamedSharding(strategy.mesh, PartitionSpec("batch"))
+
+    @jax.jit
+    def step(w, x):  # An all-reduce a step, as a data-parallel step has.
+        grad = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+        return jnp.sum(grad), w - 0.01 * grad
+
+    w = jax.device_put(jnp.ones((64, 64)), replicated)
+    x = jax.device_put(np.random.RandomState(0).rand(256, 64), rows)
+    pacer, markers = Pacer(strategy.devices), []
+    for _ in range(3 * DEPTH):
+        loss, w = step(w, x)
+        pacer.after((loss, w))
+        markers.append(loss)
+        # Every program DEPTH dispatches back has finished.
+        assert all(m.is_ready() for m in markers[:-DEPTH])
+    assert len(pacer._in_flight) == DEPTH
+
+
+def test_deleted_and_traced_outputs_are_skipped():
+    pacer = Pacer(jax.devices())
+    donated = jax.device_put(jnp.ones(3))
+    pacer.after(donated)
+    donated.delete()
+    for _ in range(DEPTH):
+        pacer.after(jnp.ones(3))  # Pops the deleted one: no error.
+    jax.jit(lambda v: pacer.after(v) or v)(jnp.ones(3))  # A tracer: skipped.
+    assert len(pacer._in_flight) == DEPTH
+
+
+def test_a_long_epoch_on_eight_cpu_devices_completes():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "400"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "DONE" in result.stdout
