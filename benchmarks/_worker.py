@@ -15,7 +15,9 @@ CONFIG is one of
     D    TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
          (DEVICES logical CPU devices, or the GPUs)
     E    the limit: a hand-written jax.jit + optax step over the same mesh,
-         the data laid out on the devices ahead of time
+         the data laid out on the devices ahead of time; at most 8 steps in
+         flight, as keras_dist keeps them on CPU devices (unbounded, XLA:CPU
+         aborted most runs: strategies/_pacing.py)
     E32  the limit of 32 steps per dispatch: E's step in a jax.lax.scan over
          32 batches stacked on the devices (what B32 is measured against)
     F    keras_dist custom training loop (strategy.run) on the same mesh
@@ -248,8 +250,12 @@ def run_jax_loop():
         jax.block_until_ready(batches)
 
         def epoch(state):
+            in_flight = []  # At most 8 programs in flight (XLA:CPU, see E).
             for xb, yb in batches:
                 loss, state = steps(state, xb, yb)
+                in_flight.append(loss)
+                if len(in_flight) > 8:
+                    in_flight.pop(0).block_until_ready()
             return jax.block_until_ready((loss, state))
     else:  # F: keras_dist's replica API, input through a distributed dataset.
         strategy = kd.MirroredStrategy(list(devices))
