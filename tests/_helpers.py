@@ -44,6 +44,24 @@ def compile_model(
     return model
 
 
+def resume_model(width: int = 16, metrics=()) -> keras.Model:
+    """Dense(6 -> width, relu), Dropout(0.3), Dense(3); compiled in the scope."""
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dropout(0.3),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=list(metrics),
+    )
+    return model
+
+
 def small_model(strategy: kd.Strategy) -> keras.Model:
     """Dense(6 -> 16) and Dense(16 -> 3), compiled, Adam built, in the scope."""
     with strategy.scope():

@@ -14,16 +14,19 @@ Writes OUT_DIR/weights.npz and OUT_DIR/history.json when fit completes.
 
 import json
 import os
+import pathlib
 import signal
 import sys
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["KERAS_BACKEND"] = "jax"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import keras
 import numpy as np
 
 import keras_dist as kd
+from tests._helpers import resume_model
 
 out_dir = sys.argv[1]
 replicas = int(os.environ.get("KD_REPLICAS", "8"))
@@ -44,19 +47,7 @@ else:
     strategy = kd.MirroredStrategy([f"cpu:{i}" for i in range(replicas)])
     scope = strategy.scope()
 with scope:
-    model = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dropout(0.3),
-            keras.layers.Dense(3),
-        ]
-    )
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
+    model = resume_model(width, metrics=["accuracy"])
 
 
 class Interrupt(keras.callbacks.Callback):

@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from tests._helpers import InterruptAt, mirrored
+from tests._helpers import InterruptAt, mirrored, resume_model
 
 ROWS, BATCH, STEPS_PER_EPOCH, EPOCHS = 61, 8, 5, 4
 INTERRUPT_AT = 7  # Mid-epoch 2: its step 2.
@@ -52,18 +52,7 @@ def _input(kind):
 def _fit(kind, callbacks, width=16):
     keras.utils.set_random_seed(42)
     with mirrored(8).scope():
-        model = keras.Sequential(
-            [
-                keras.Input((6,)),
-                keras.layers.Dense(width, activation="relu"),
-                keras.layers.Dropout(0.3),
-                keras.layers.Dense(3),
-            ]
-        )
-        model.compile(
-            optimizer="adam",
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
+        model = resume_model(width)
     history = model.fit(epochs=EPOCHS, verbose=0, callbacks=callbacks, **_input(kind))
     return model, history.history
 
