@@ -59,8 +59,19 @@ class Pacer:
 
 
 def _first_array(outputs: Any) -> jax.Array | None:
-    """The first concrete array of `outputs` (not a tracer: a traced call)."""
-    for leaf in jax.tree.leaves(outputs):
-        if isinstance(leaf, jax.Array) and hasattr(leaf, "is_deleted"):
-            return leaf
+    """The first concrete array of `outputs` (not a tracer: a traced call).
+
+    Walks containers only until it finds one: a step's outputs begin with
+    its logs, and its whole state need not be flattened every step.
+    """
+    if isinstance(outputs, jax.Array):
+        return outputs if hasattr(outputs, "is_deleted") else None
+    if isinstance(outputs, dict):
+        outputs = outputs.values()
+    elif not isinstance(outputs, (list, tuple)):
+        return None
+    for item in outputs:
+        found = _first_array(item)
+        if found is not None:
+            return found
     return None
