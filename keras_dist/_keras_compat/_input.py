@@ -122,7 +122,6 @@ class _Unpadding:
         self._call_step = (
             _timed(compiled, steps=steps, pacer=pacer) if steps else compiled
         )
-        self.pacer = pacer
         self.step = step
         self.compile = compile_
         functools.update_wrapper(self, compiled)
