@@ -19,8 +19,17 @@ def make_data(n: int, seed: int = 0):
     return x, y, sample_weight
 
 
-def make_model(*, batch_norm: bool = False, dropout: float = 0.0) -> keras.Model:
-    layers = [keras.Input((FEATURES,)), keras.layers.Dense(16, activation="relu")]
+def make_model(
+    *, batch_norm: bool = False, dropout: float = 0.0, conv: bool = False
+) -> keras.Model:
+    layers = [keras.Input((FEATURES,))]
+    if conv:  # The features as a sequence, through a 1-D convolution.
+        layers += [
+            keras.layers.Reshape((FEATURES, 1)),
+            keras.layers.Conv1D(4, 3, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+        ]
+    layers.append(keras.layers.Dense(16, activation="relu"))
     if batch_norm:
         layers.append(keras.layers.BatchNormalization())
     if dropout:

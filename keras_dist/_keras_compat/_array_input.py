@@ -53,7 +53,15 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
         found = (adapter, lay_out_resident(strategy, rows))
         cache[id(adapter)] = found
-    return ResidentPass(strategy, found[1], _index_batches(adapter), call=call)
+    # Keras draws a `shuffle="batch"` order as it reads each batch.
+    read_ahead = adapter._shuffle != "batch"
+    return ResidentPass(
+        strategy,
+        found[1],
+        _index_batches(adapter),
+        call=call,
+        read_ahead=read_ahead,
+    )
 
 
 def _is_dense(leaf: Any) -> bool:

@@ -40,6 +40,14 @@ class BatchGroup:
         leaves = [next(shared) if same else next(varying) for same in self.is_shared]
         return jax.tree.unflatten(self.treedef, leaves)
 
+    def batches(self, count: int) -> list:
+        """The group's `count` batches, one by one, for a loop of one-step calls.
+
+        A tuple leaf gives back its arrays; a stacked one is sliced on the
+        devices.
+        """
+        return [self.batch([v[i] for v in self.varying]) for i in range(count)]
+
 
 def group_of(batches: list) -> BatchGroup | None:
     """`batches` as a group, or None when they cannot run as one program.

@@ -117,7 +117,9 @@ class InputOptions:
             group of N batches of the same shapes as one compiled program
             (a `lax.scan` of the step): one dispatch per N steps instead of
             N, the same numbers. `False`: Keras's loop of N compiled steps.
-            Defaults to `True`.
+            Defaults to `True`. On CPU devices a step with a convolution
+            always runs through Keras's loop (XLA:CPU runs convolutions in
+            a loop several times slower: `training/_fused_steps.py`).
     """
 
     experimental_fetch_to_device: bool = True

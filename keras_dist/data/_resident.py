@@ -62,12 +62,20 @@ def lay_out_resident(strategy: InputTarget, data: Any) -> ResidentData:
 class ResidentPass:
     """One pass over a `ResidentData`: `ResidentBatch`es, gathered in the step.
 
+    With `read_ahead`, the pass reads all its index batches when its first
+    batch is asked for, and lays the full ones out at once, as one table
+    (`Strategy.shard_steps`); each step then names its row with a number
+    already on the devices (`Strategy.step_numbers`) and transfers nothing.
+    Without it (Keras draws a batch's order when the batch is read:
+    `shuffle="batch"`), each step transfers its own indices.
+
     Args:
         strategy: where the dataset lives.
         resident: the dataset.
         index_batches: the row indices of each batch of the pass (a `slice`
             or an integer array), in Keras's order.
         call: the running call (batch size, input timings), or None.
+        read_ahead: whether `index_batches` may be read all at once.
     """
 
     def __init__(
@@ -77,47 +85,71 @@ class ResidentPass:
         index_batches: Iterator[Any],
         *,
         call: CallState | None,
+        read_ahead: bool = False,
     ):
         self._strategy = strategy
         self._resident = resident
-        self._indices = iter(index_batches)
+        self._indices = (_as_indices(i, resident.rows) for i in index_batches)
         self._call = call
         self._first = True
+        self._read_ahead = read_ahead
+        self._position = 0  # Batches taken so far.
+        self._table: Any = None  # The full batches' indices, laid out at once.
+        self._table_steps = 0
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
         self._group_form = None  # (treedef, is_shared, shared) of a `BatchGroup`.
 
     def skip(self, count: int) -> int:
         """Passes over `count` batches (a resumed `fit`); returns how many."""
-        for done in range(count):
-            if next(self._indices, None) is None:
-                return done
-        return count
+        return len(self._take(count))
 
     def __iter__(self) -> "ResidentPass":
         return self
 
     def __next__(self) -> Any:
         start = time.perf_counter()
-        indices = _as_indices(next(self._indices), self._resident.rows)
-        batch = self._lay_out(indices)
-        self._record(start, len(indices), 1)
+        position = self._position
+        taken = self._take(1)
+        if not taken:
+            raise StopIteration
+        if position < self._table_steps:
+            number = self._strategy.step_numbers(position + 1)[position]
+            batch = self._batch(self._table, None, number)
+        else:
+            batch = self._lay_out(taken[0])
+        self._record(start, len(taken[0]), 1)
         return batch
 
     def next_group(self, count: int) -> BatchGroup | list:
         """The next `count` batches, for one program (`steps_per_execution`).
 
-        Full batches of one size: a `BatchGroup` whose indices are laid out
-        in one transfer (`Strategy.shard_steps`). Otherwise (fewer batches
-        left, a partial batch): the batches, as `next` gives them. As Keras's
-        loop: `StopIteration` when not even one batch is left.
+        Full batches of one size: a `BatchGroup`, over rows of the pass's
+        table (the step numbers vary), or, without a table, whose indices are
+        laid out in one transfer (`Strategy.shard_steps`). Otherwise (fewer
+        batches left, a partial batch): the batches, as `next` gives them. As
+        Keras's loop: `StopIteration` when not even one batch is left.
         """
         start = time.perf_counter()
-        rows = self._resident.rows
-        group = [_as_indices(i, rows) for i in itertools.islice(self._indices, count)]
+        position = self._position
+        group = self._take(count)
         if not group:
             raise StopIteration
         size = len(group[0])
+        if len(group) == count and position + count <= self._table_steps:
+            # Rows of the pass's table: the step numbers vary, nothing is sent.
+            numbers = self._strategy.step_numbers(position + count)
+            leaves, treedef = jax.tree.flatten(
+                self._batch(self._table, None, numbers[position])
+            )
+            is_shared = (True,) * (len(leaves) - 1) + (False,)
+            self._record(start, size, count)
+            return BatchGroup(
+                treedef,
+                is_shared,
+                tuple(leaves[:-1]),
+                (tuple(numbers[position : position + count]),),
+            )
         uneven = size % self._replicas
         if len(group) < count or uneven or any(len(i) != size for i in group):
             batches = [self._lay_out(indices) for indices in group]
@@ -131,6 +163,26 @@ class ResidentPass:
         self._record(start, size, count)
         return BatchGroup(*self._group_form, (stacked,))
 
+    def _take(self, count: int) -> list[np.ndarray]:
+        """The next `count` index batches (fewer at the end of the pass)."""
+        if self._read_ahead:
+            self._read_ahead = False
+            self._lay_out_table()
+        taken = list(itertools.islice(self._indices, count))
+        self._position += len(taken)
+        return taken
+
+    def _lay_out_table(self) -> None:
+        """Reads the whole pass; lays its leading full batches out as one table."""
+        batches = list(self._indices)
+        self._indices = iter(batches)
+        size = len(batches[0]) if batches else 0
+        if not size or size % self._replicas:
+            return  # Every batch padded: laid out one by one.
+        steps = next((i for i, b in enumerate(batches) if len(b) != size), len(batches))
+        self._table = self._strategy.shard_steps(np.stack(batches[:steps]))
+        self._table_steps = steps
+
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
         padded = round_up(size, self._replicas)
@@ -140,7 +192,9 @@ class ResidentPass:
             self._strategy.shard(indices), size if padded != size else None
         )
 
-    def _batch(self, indices: Any, num_real: int | None) -> ResidentBatch:
+    def _batch(
+        self, indices: Any, num_real: int | None, row: Any = None
+    ) -> ResidentBatch:
         resident = self._resident
         return ResidentBatch(
             resident.arrays,
@@ -148,6 +202,7 @@ class ResidentPass:
             resident.treedef,
             num_real,
             self._strategy.take_rows,
+            row,
         )
 
     def _record(self, start: float, size: int, batches: int) -> None:

@@ -7,8 +7,12 @@ every step so it first gathers the batch (`gathering`): inside the compiled
 step the gather is part of the one program — no second dispatch a step, and
 no program next to the step's own — and without `jit` it runs eagerly.
 
-For JAX a `ResidentBatch` is a pytree of the arrays and the indices (the
-structure and the real-row count are static). Keras's own tree utilities
+The indices come either as the step's own vector, or as one row of a table
+of a whole pass's indices laid out once (`row`: a step number already on the
+devices; `_resident.ResidentPass`), so that a step transfers nothing.
+
+For JAX a `ResidentBatch` is a pytree of the arrays, the indices and the row
+(the structure and the real-row count are static). Keras's own tree utilities
 (its `keras` optree namespace) see the batch it stands for, gathered: Keras
 reads one batch outside the step, to build a model symbolically.
 """
@@ -30,22 +34,28 @@ class ResidentBatch:
 
     Args:
         arrays: the dataset's arrays on every device (flattened).
-        indices: int32 row indices laid out over the replicas (-1: padding).
+        indices: int32 row indices laid out over the replicas (-1: padding),
+            or, with `row`, a table of them: `(steps, rows)`, split over the
+            replicas along its second axis.
         treedef: the structure of a batch (`arrays` unflattened).
         num_real: the real rows of a padded batch, or None.
         take: `strategy.take_rows`, to gather outside a step.
+        row: the int32 scalar (replicated) that picks this step's row of the
+            table `indices`, or None.
     """
 
-    def __init__(self, arrays, indices, treedef, num_real, take=None):
+    def __init__(self, arrays, indices, treedef, num_real, take=None, row=None):
         self.arrays = tuple(arrays)
         self.indices = indices
         self.treedef = treedef
         self.num_real = num_real
         self.take = take
+        self.row = row
 
     def gather(self, take: Callable) -> Any:
         """The batch (a `PaddedBatch` when padded), gathered with `take`."""
-        rows = take(list(self.arrays), self.indices)
+        indices = self.indices if self.row is None else self.indices[self.row]
+        rows = take(list(self.arrays), indices)
         return as_padded_batch(jax.tree.unflatten(self.treedef, rows), self.num_real)
 
 
@@ -53,7 +63,7 @@ class ResidentBatch:
 # its batch with no Python callback (the structure and count are static).
 jax.tree_util.register_dataclass(
     ResidentBatch,
-    data_fields=["arrays", "indices"],
+    data_fields=["arrays", "indices", "row"],
     meta_fields=["treedef", "num_real"],
 )
 

@@ -41,6 +41,9 @@ class InputTarget(Protocol):
     def shard_steps(self, data: Any) -> Any:
         """Lays out the batches of several steps, stacked (steps, rows, ...)."""
 
+    def step_numbers(self, count: int) -> list:
+        """The int32 scalars `0 ... count - 1` on every device (kept)."""
+
     @property
     def input_options(self) -> InputOptions:
         """How `fit`/`evaluate`/`predict` bring their input to the devices."""

@@ -26,7 +26,7 @@ class Placement:
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
     `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`,
-    `_laid_out_batches`.
+    `_laid_out_batches`, `_step_numbers`.
     """
 
     # Placement helpers ------------------------------------------------------
@@ -170,6 +170,17 @@ class Placement:
         arrays = [_as_array(x) for x in arrays]
         placed = [_place(a, self._steps_sharding(a.ndim)) for a in arrays]
         return jax.tree.unflatten(treedef, placed)
+
+    def step_numbers(self, count: int) -> list[jax.Array]:
+        """The int32 scalars `0 ... count - 1`, replicated over the mesh.
+
+        Made once each and kept: a device-resident pass names each step's
+        row of its index table with one, so that the step transfers nothing.
+        """
+        numbers = self._step_numbers
+        while len(numbers) < count:
+            numbers.append(jax.device_put(np.int32(len(numbers)), self._replicated))
+        return numbers
 
     def _steps_sharding(self, ndim: int) -> NamedSharding:
         return NamedSharding(

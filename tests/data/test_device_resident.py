@@ -3,7 +3,8 @@
 With `kd.InputOptions(device_resident=True)` each step's batch is gathered on
 the devices from Keras's row indices; the numbers must be those of the host
 path (`device_resident=False`) and of plain Keras, for every shuffle mode,
-partial batches (37 rows, batch 10, 8 replicas), sample weights,
+partial batches (37 rows, 8 replicas: batch 8, whose full batches are laid
+out as one table a pass, and batch 10, every batch padded), sample weights,
 validation_split, steps_per_execution, eager steps and a resumed fit.
 """
 
@@ -68,7 +69,7 @@ def _model(resident, **compile_kwargs):
     return model
 
 
-def _run(resident, shuffle, spy=None, **compile_kwargs):
+def _run(resident, shuffle, spy=None, batch_size=8, **compile_kwargs):
     """fit (3 epochs, validation_split), evaluate and predict: all results."""
     keras.utils.set_random_seed(7)
     model = _model(resident, **compile_kwargs)
@@ -77,15 +78,15 @@ def _run(resident, shuffle, spy=None, **compile_kwargs):
         X,
         Y,
         sample_weight=SW,
-        batch_size=10,
+        batch_size=batch_size,
         epochs=3,
         shuffle=shuffle,
         validation_split=0.2,
         callbacks=callbacks,
         verbose=0,
     ).history
-    scores = model.evaluate(X, Y, batch_size=10, callbacks=callbacks, verbose=0)
-    outputs = model.predict(X, batch_size=10, callbacks=callbacks, verbose=0)
+    scores = model.evaluate(X, Y, batch_size=batch_size, callbacks=callbacks, verbose=0)
+    outputs = model.predict(X, batch_size=batch_size, callbacks=callbacks, verbose=0)
     return history, scores, outputs, model.get_weights()
 
 
@@ -96,16 +97,57 @@ def _assert_same(expected, actual):
     assert_weights_close(expected[3], actual[3])
 
 
-@pytest.mark.parametrize("shuffle", [False, True, "batch"])
-def test_resident_equals_host_path_and_keras(shuffle):
+@pytest.mark.parametrize(
+    "shuffle, batch_size", [(False, 8), (True, 8), ("batch", 8), (True, 10)]
+)
+def test_resident_equals_host_path_and_keras(shuffle, batch_size):
     spy = _Resident()
-    resident = _run(True, shuffle, spy)
+    resident = _run(True, shuffle, spy, batch_size)
     # The training and the validation split, then one dataset per call.
     assert spy.counts == {"fit": 2, "evaluate": 1, "predict": 1}
-    host = _run(False, shuffle)
+    host = _run(False, shuffle, batch_size=batch_size)
     for got, want in zip(resident, host, strict=True):  # Bit-identical.
         np.testing.assert_equal(got, want)
-    _assert_same(_run(None, shuffle), resident)
+    _assert_same(_run(None, shuffle, batch_size=batch_size), resident)
+
+
+class _Transfers:
+    """Counts a strategy's index transfers: one batch (`shard`) or many."""
+
+    def __init__(self, strategy):
+        self.counts = {"shard": 0, "shard_steps": 0}
+        for name in self.counts:
+            setattr(strategy, name, self._counting(name, getattr(strategy, name)))
+
+    def _counting(self, name, method):
+        def counted(*args, **kwargs):
+            self.counts[name] += 1
+            return method(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize(
+    "shuffle, want",
+    [
+        # A pass: its full batches in one table; the partial batch alone.
+        # (Before the first epoch, Keras reads one batch of a pass of its
+        # own to build the model's metrics: one more table.)
+        (True, {"shard": 3, "shard_steps": 4}),
+        (False, {"shard": 3, "shard_steps": 4}),
+        # Keras draws each batch's order as it reads it: one by one.
+        ("batch", {"shard": 16, "shard_steps": 0}),
+    ],
+)
+def test_a_pass_lays_out_its_indices_once(shuffle, want):
+    strategy = mirrored(8)
+    strategy.input_options = kd.InputOptions(device_resident=True)
+    model = build_in_scope(strategy, WEIGHTS)
+    transfers = _Transfers(strategy)
+    model.fit(X, Y, batch_size=8, epochs=3, shuffle=shuffle, verbose=0)
+    assert transfers.counts == want  # 37 rows: 4 batches of 8 and 1 of 5.
+    # One step number a full batch of a table, made once and kept.
+    assert len(strategy._step_numbers) == (0 if shuffle == "batch" else 4)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +252,7 @@ def _resumable_fit(model, *callbacks):
     return model.fit(
         X,
         Y,
-        batch_size=10,
+        batch_size=8,
         epochs=3,
         shuffle=True,
         callbacks=list(callbacks),
@@ -220,8 +262,8 @@ def _resumable_fit(model, *callbacks):
 
 def test_backup_and_restore_resumes_exactly(tmp_path, capsys):
     backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
-    with pytest.raises(RuntimeError, match="interrupted at step 6"):
-        _resumable_fit(_model(True), backup, InterruptAt(6))
+    with pytest.raises(RuntimeError, match="interrupted at step 7"):
+        _resumable_fit(_model(True), backup, InterruptAt(7))
     spy = _Resident()
     model = _model(True)
     history = _resumable_fit(

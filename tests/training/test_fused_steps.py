@@ -27,6 +27,8 @@ import functools
 import math
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -34,7 +36,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist._keras_compat._input import _Unpadding
-from keras_dist.training._fused_steps import FusedSteps
+from keras_dist.training._fused_steps import FusedSteps, has_primitive
 from tests._helpers import (
     InterruptAt,
     assert_history_close,
@@ -329,6 +331,35 @@ def test_fuse_steps_set_between_calls_takes_effect(dispatches):
         net.fit(**fit, epochs=1, shuffle=False, callbacks=[spy], verbose=0)
         calls.append(spy.calls["fit"])
     assert calls == [(2, 0), (0, 8), (2, 0)]
+
+
+def test_a_convolution_on_cpu_devices_runs_through_keras_loop(dispatches):
+    """XLA:CPU runs a convolution inside a loop slowly: such a step is not fused.
+
+    The first group is read as a group, then run batch by batch; Keras's loop
+    runs every later one. The numbers stay Keras's.
+    """
+    spy = _PerCall(dispatches)
+    got = _run("mirrored", "numpy", CASES["37_rows_spe_4"], callbacks=[spy], conv=True)
+    # 5 batches an epoch, 2 epochs; evaluate and predict 5 batches each.
+    assert spy.calls == {"fit": (0, 10), "evaluate": (0, 5), "predict": (0, 5)}
+    _assert_same(_keras("numpy", "37_rows_spe_4", conv=True), got, "plain Keras")
+
+
+def test_the_step_decides_fusion_from_its_jaxpr():
+    def conv_step(x, kernel):  # A convolution and its gradient.
+        return jax.grad(lambda k: jnp.sum(jax.lax.conv(x, k, (1,), "SAME")))(kernel)
+
+    def nested(x, kernel):  # The convolution inside a `jit` and a `cond`.
+        inner = jax.jit(lambda a, b: jax.lax.conv(a, b, (1,), "SAME"))
+        return jax.lax.cond(True, inner, lambda a, b: a, x, kernel)
+
+    x, kernel = jnp.ones((1, 1, 6)), jnp.ones((1, 1, 3))
+    conv = "conv_general_dilated"
+    for fn in (conv_step, nested):
+        assert has_primitive(jax.make_jaxpr(fn)(x, kernel).jaxpr, conv)
+    dense = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 2)))
+    assert not has_primitive(dense.jaxpr, conv)
 
 
 # 4. Callbacks ----------------------------------------------------------------
