@@ -42,7 +42,8 @@ def run_worker(
 ) -> dict:
     """Runs `script args` in a fresh process; its RESULT, or `ident` + error.
 
-    The row gets the median, min and max of its `ms_per_step`.
+    The row gets the median, min and max of its `ms_per_step`, and the
+    median of its `host_cpu_ms_per_step` (when the worker measures it).
     """
     command = [sys.executable, str(script), *(str(a) for a in args)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -61,6 +62,8 @@ def run_worker(
     times = row["ms_per_step"]
     row["ms_median"] = statistics.median(times)
     row["ms_min"], row["ms_max"] = min(times), max(times)
+    if row.get("host_cpu_ms_per_step"):
+        row["host_cpu_ms"] = statistics.median(row["host_cpu_ms_per_step"])
     return row
 
 
@@ -71,7 +74,8 @@ def combine_runs(runs: list) -> dict:
     row gets `ms_per_step` (one value per completed process, in run order),
     their median, min and max, `failed_runs` (processes that never printed a
     result: left out, and said so in the tables) and `runs` (every process's
-    own row). With no completed process the row is the first error.
+    own row), and `host_cpu_ms`, the median of the processes' own. With no
+    completed process the row is the first error.
     """
     done = [r for r in runs if "error" not in r]
     if not done:
@@ -85,11 +89,17 @@ def combine_runs(runs: list) -> dict:
         ms_max=max(times),
         first_epoch_s=statistics.median(r["first_epoch_s"] for r in done),
         peak_rss_mb=max(r["peak_rss_mb"] for r in done),
+        host_cpu_ms=_median_of(done, "host_cpu_ms"),
         crashed_runs=sum(r.get("crashed_runs", 0) for r in runs),
         failed_runs=len(runs) - len(done),
         runs=runs,
     )
     return row
+
+
+def _median_of(rows: list, key: str):
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
 
 
 def machine(platform_name: str, devices: int) -> str:

@@ -14,17 +14,22 @@ CONFIG is one of
          distribution; a keras_dist model remembers its strategy)
     D    TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
          (DEVICES logical CPU devices, or the GPUs)
-    E    the limit: a hand-written jax.jit + optax step over the same mesh,
-         the data laid out on the devices ahead of time; at most 8 steps in
+    E    the limit: a hand-written jax.jit + optax step over the same mesh
+         (one step a dispatch, as JAX's sharding tutorial writes it: state
+         replicated, batch split), the data laid out on the devices ahead of
+         time; at most 8 steps in
          flight, as keras_dist keeps them on CPU devices (unbounded, XLA:CPU
          aborted most runs: strategies/_pacing.py)
     E32  the limit of 32 steps per dispatch: E's step in a jax.lax.scan over
-         32 batches stacked on the devices (what B32 is measured against)
+         32 batches stacked on the devices, each step's batch constrained to
+         E's layout (what B32 is measured against)
     F    keras_dist custom training loop (strategy.run) on the same mesh
 
 Every configuration trains MODEL on the same synthetic data at the same global
 batch for 1 + EPOCHS epochs of STEPS steps; the first epoch (compilation) is
-not timed. Prints `RESULT {json}` with the ms/step of each timed epoch. JAX's
+not timed. Prints `RESULT {json}` with the ms/step of each timed epoch, and
+the CPU time per step of the main thread (`time.thread_time`: the Python
+loop and the dispatches; not XLA's threads, nor an input thread). JAX's
 default backend must be the benchmark's platform (`--platform`), with at
 least DEVICES devices: the worker exits with the reason otherwise.
 """
@@ -91,15 +96,21 @@ def make_data():
     return x, y
 
 
+# The main thread's CPU seconds of each epoch (`time.thread_time`).
+HOST_CPU_SECONDS: list = []
+
+
 def fit_and_time(keras, model, x, y, extra_callbacks=()):
     class EpochTimer(keras.callbacks.Callback):
         seconds: list = []
 
         def on_epoch_begin(self, epoch, logs=None):
             self.start = time.perf_counter()
+            self.cpu = time.thread_time()
 
         def on_epoch_end(self, epoch, logs=None):  # Keras waits for results here.
             self.seconds.append(time.perf_counter() - self.start)
+            HOST_CPU_SECONDS.append(time.thread_time() - self.cpu)
 
     timer = EpochTimer()
     history = model.fit(
@@ -209,7 +220,7 @@ def run_jax_loop():
         per_dispatch = 32 if CONFIG == "E32" else 1
         if STEPS % per_dispatch:
             sys.exit(f"E32 runs 32 steps a dispatch. Received: STEPS={STEPS}.")
-        rows = NamedSharding(mesh, PartitionSpec(None, None, "batch"))
+        batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
 
         def step(state, xb, yb):
             trainable, non_trainable, opt_state = state
@@ -230,20 +241,29 @@ def run_jax_loop():
                 opt_state,
             )
 
-        @jax.jit
-        def steps(state, xs, ys):  # `per_dispatch` steps, one program.
+        def scanned(state, xs, ys):  # `per_dispatch` steps, one program.
             def body(state, batch):
+                # Each step's batch split over the devices, as E's: without
+                # the constraint XLA may not keep the scanned slices sharded
+                # (the resnet ran 30x slower).
+                batch = jax.lax.with_sharding_constraint(batch, batch_rows)
                 loss, state = step(state, *batch)
                 return state, loss
 
             state, losses = jax.lax.scan(body, state, (xs, ys))
             return losses[-1], state
 
+        steps = jax.jit(step if per_dispatch == 1 else scanned)
         state = jax.device_put(
             (trainable, non_trainable, optimizer.init(trainable)), replicated
         )
         groups = STEPS // per_dispatch
         shape = (groups, per_dispatch, BATCH)
+        if per_dispatch == 1:
+            shape, rows = (groups, BATCH), PartitionSpec(None, "batch")
+        else:
+            rows = PartitionSpec(None, None, "batch")
+        rows = NamedSharding(mesh, rows)
         xs = jax.device_put(x[: np.prod(shape)].reshape(*shape, *x.shape[1:]), rows)
         ys = jax.device_put(y[: np.prod(shape)].reshape(shape), rows)
         batches = [(xs[i], ys[i]) for i in range(groups)]
@@ -295,9 +315,10 @@ def run_jax_loop():
 
     seconds = []
     for _ in range(1 + EPOCHS):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         loss, state = epoch(state)
         seconds.append(time.perf_counter() - start)
+        HOST_CPU_SECONDS.append(time.thread_time() - cpu)
     return seconds, float(loss), None
 
 
@@ -314,6 +335,7 @@ def main():
         "global_batch": BATCH,
         "first_epoch_s": seconds[0],
         "ms_per_step": [s / STEPS * 1e3 for s in timed],
+        "host_cpu_ms_per_step": [s / STEPS * 1e3 for s in HOST_CPU_SECONDS[1:]],
         "final_loss": loss,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }

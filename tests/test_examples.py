@@ -73,6 +73,9 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
         assert row["crashed_runs"] in (0, 1)
         assert row["ms_min"] <= row["ms_median"] <= row["ms_max"]
         assert row["examples_per_s"] > 0 and row["peak_rss_mb"] > 0
+        # The main thread's CPU per step, of the same one timed epoch: some,
+        # and no more than the epoch's wall time.
+        assert 0 < row["host_cpu_ms"] <= row["ms_median"] * 1.01 + 0.01
     # The Keras configurations train the same model from the same initial
     # weights with the same Adam: the same loss (C0 too: it is slow, not wrong).
     losses = [rows[c]["final_loss"] for c in ("A", "B", "B32", "C", "C0", "D")]
