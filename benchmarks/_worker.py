@@ -243,9 +243,8 @@ def run_jax_loop():
 
         def scanned(state, xs, ys):  # `per_dispatch` steps, one program.
             def body(state, batch):
-                # Each step's batch split over the devices, as E's: without
-                # the constraint XLA may not keep the scanned slices sharded
-                # (the resnet ran 30x slower).
+                # Each step's batch split over the devices, as E's. (On CPU
+                # a scan of a convolution stays slow: jax-ml/jax#12868.)
                 batch = jax.lax.with_sharding_constraint(batch, batch_rows)
                 loss, state = step(state, *batch)
                 return state, loss
