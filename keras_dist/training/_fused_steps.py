@@ -22,7 +22,7 @@ last step's, as Keras returns them.
 On CPU devices a step with a convolution is not fused: XLA:CPU runs a
 convolution inside a loop several times slower than alone (jax-ml/jax#12868).
 Measured on this project's 2-core box, 8 virtual devices: a small ResNet
-8.8 s a step fused against 0.24 s in Keras's loop; one 3x3 convolution
+8.8 s a step fused against 0.26 s in Keras's loop; one 3x3 convolution
 layer 145 against 31 ms. The first group decides, from the program's jaxpr;
 every group then runs through Keras's loop.
 """
