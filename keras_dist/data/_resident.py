@@ -98,7 +98,9 @@ class ResidentPass:
         self._table_steps = 0
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
-        self._group_form = None  # (treedef, is_shared, shared) of a `BatchGroup`.
+        # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
+        # and of rows of the table.
+        self._group_form = self._table_form = None
 
     def skip(self, count: int) -> int:
         """Passes over `count` batches (a resumed `fit`); returns how many."""
@@ -125,8 +127,9 @@ class ResidentPass:
         """The next `count` batches, for one program (`steps_per_execution`).
 
         Full batches of one size: a `BatchGroup`, over rows of the pass's
-        table (the step numbers vary), or, without a table, whose indices are
-        laid out in one transfer (`Strategy.shard_steps`). Otherwise (fewer
+        table (its varying leaf: a kept vector of the N step numbers,
+        `Strategy.step_range`), or, without a table, whose indices are laid
+        out in one transfer (`Strategy.shard_steps`). Otherwise (fewer
         batches left, a partial batch): the batches, as `next` gives them. As
         Keras's loop: `StopIteration` when not even one batch is left.
         """
@@ -137,19 +140,12 @@ class ResidentPass:
             raise StopIteration
         size = len(group[0])
         if len(group) == count and position + count <= self._table_steps:
-            # Rows of the pass's table: the step numbers vary, nothing is sent.
-            numbers = self._strategy.step_numbers(position + count)
-            leaves, treedef = jax.tree.flatten(
-                self._batch(self._table, None, numbers[position])
-            )
-            is_shared = (True,) * (len(leaves) - 1) + (False,)
+            # Rows of the pass's table: one vector of step numbers, kept.
+            if self._table_form is None:
+                self._table_form = _group_form(self._batch(self._table, None, 0))
             self._record(start, size, count)
-            return BatchGroup(
-                treedef,
-                is_shared,
-                tuple(leaves[:-1]),
-                (tuple(numbers[position : position + count]),),
-            )
+            rows = self._strategy.step_range(position, count)
+            return BatchGroup(*self._table_form, (rows,))
         uneven = size % self._replicas
         if len(group) < count or uneven or any(len(i) != size for i in group):
             batches = [self._lay_out(indices) for indices in group]
@@ -157,9 +153,7 @@ class ResidentPass:
             return batches
         stacked = self._strategy.shard_steps(np.stack(group))
         if self._group_form is None:
-            leaves, treedef = jax.tree.flatten(self._batch(0, None))
-            is_shared = (True,) * (len(leaves) - 1) + (False,)  # Indices vary.
-            self._group_form = (treedef, is_shared, tuple(leaves[:-1]))
+            self._group_form = _group_form(self._batch(0, None))
         self._record(start, size, count)
         return BatchGroup(*self._group_form, (stacked,))
 
@@ -221,6 +215,12 @@ class ResidentPass:
 
     def close(self) -> None:
         """Nothing to stop (no thread); as `InputPass.close`."""
+
+
+def _group_form(batch: ResidentBatch) -> tuple:
+    """The `BatchGroup` fields of groups of `batch`'s form whose last leaf varies."""
+    leaves, treedef = jax.tree.flatten(batch)
+    return treedef, (True,) * (len(leaves) - 1) + (False,), tuple(leaves[:-1])
 
 
 def _as_indices(indices: Any, rows: int) -> np.ndarray:

@@ -44,6 +44,9 @@ class InputTarget(Protocol):
     def step_numbers(self, count: int) -> list:
         """The int32 scalars `0 ... count - 1` on every device (kept)."""
 
+    def step_range(self, start: int, count: int) -> Any:
+        """The int32 vector `start ... start + count - 1` on every device (kept)."""
+
     @property
     def input_options(self) -> InputOptions:
         """How `fit`/`evaluate`/`predict` bring their input to the devices."""

@@ -58,6 +58,7 @@ class Strategy(StateLayout, Placement, keras.distribution.DataParallel):
         # ids of the batches `shard` laid out, while they live (`_placement`).
         self._laid_out_batches: dict[int, None] = {}
         self._step_numbers: list[jax.Array] = []  # `step_numbers`, kept.
+        self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
         self._input_options = InputOptions()
         self._pacer = Pacer(self.devices)  # Programs in flight (CPU devices).
 

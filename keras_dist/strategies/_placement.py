@@ -26,7 +26,7 @@ class Placement:
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
     `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`,
-    `_laid_out_batches`, `_step_numbers`.
+    `_laid_out_batches`, `_step_numbers`, `_step_ranges`.
     """
 
     # Placement helpers ------------------------------------------------------
@@ -180,6 +180,20 @@ class Placement:
         numbers = self._step_numbers
         while len(numbers) < count:
             numbers.append(jax.device_put(np.int32(len(numbers)), self._replicated))
+        return numbers
+
+    def step_range(self, start: int, count: int) -> jax.Array:
+        """The int32 vector `start ... start + count - 1`, replicated; kept.
+
+        A fused group of a device-resident pass names its rows of the index
+        table with one: one argument for N steps, not N scalars.
+        """
+        numbers = self._step_ranges.get((start, count))
+        if numbers is None:
+            numbers = jax.device_put(
+                np.arange(start, start + count, dtype=np.int32), self._replicated
+            )
+            self._step_ranges[start, count] = numbers
         return numbers
 
     def _steps_sharding(self, ndim: int) -> NamedSharding:

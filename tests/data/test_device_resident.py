@@ -150,6 +150,25 @@ def test_a_pass_lays_out_its_indices_once(shuffle, want):
     assert len(strategy._step_numbers) == (0 if shuffle == "batch" else 4)
 
 
+def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
+    strategy = mirrored(8)
+    strategy.input_options = kd.InputOptions(device_resident=True)
+    with strategy.scope():
+        model = make_model()
+        model.set_weights(WEIGHTS)
+        compile_model(model, steps_per_execution=2)
+    transfers = _Transfers(strategy)
+    model.fit(X, Y, batch_size=8, epochs=3, shuffle=True, verbose=0)
+    # 4 full batches a pass: groups at table rows 0-1 and 2-3, then the
+    # partial batch alone. Each group's rows are one argument, made once.
+    assert transfers.counts == {"shard": 3, "shard_steps": 4}
+    ranges = strategy._step_ranges
+    assert sorted(ranges) == [(0, 2), (2, 2)]
+    np.testing.assert_array_equal(np.asarray(ranges[2, 2]), [2, 3])
+    assert ranges[2, 2].dtype == np.int32
+    assert ranges[2, 2].sharding.is_fully_replicated
+
+
 @pytest.mark.parametrize(
     "mode", [{"steps_per_execution": 3}, {"run_eagerly": True}], ids=str
 )
