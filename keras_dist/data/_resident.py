@@ -66,6 +66,8 @@ class ResidentPass:
     batch is asked for, and lays the full ones out at once, as one table
     (`Strategy.shard_steps`); each step then names its row with a number
     already on the devices (`Strategy.step_numbers`) and transfers nothing.
+    When those batches are the dataset's rows in order, there is no table:
+    the number names the step's block of rows, sliced on the devices.
     Without it (Keras draws a batch's order when the batch is read:
     `shuffle="batch"`), each step transfers its own indices.
 
@@ -96,6 +98,7 @@ class ResidentPass:
         self._position = 0  # Batches taken so far.
         self._table: Any = None  # The full batches' indices, laid out at once.
         self._table_steps = 0
+        self._step_rows: int | None = None  # Batch size of a pass in order.
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
         # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
@@ -167,15 +170,23 @@ class ResidentPass:
         return taken
 
     def _lay_out_table(self) -> None:
-        """Reads the whole pass; lays its leading full batches out as one table."""
+        """Reads the whole pass; lays its leading full batches out as one table.
+
+        Unless they are the dataset's rows in order (`shuffle=False`,
+        `evaluate`, `predict`): then a step number names a block of rows.
+        """
         batches = list(self._indices)
         self._indices = iter(batches)
         size = len(batches[0]) if batches else 0
         if not size or size % self._replicas:
             return  # Every batch padded: laid out one by one.
         steps = next((i for i, b in enumerate(batches) if len(b) != size), len(batches))
-        self._table = self._strategy.shard_steps(np.stack(batches[:steps]))
+        table = np.stack(batches[:steps])
         self._table_steps = steps
+        if np.array_equal(table.ravel(), np.arange(table.size)):
+            self._step_rows = size  # In order: batch k is rows k * size ...
+        else:
+            self._table = self._strategy.shard_steps(table)
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
@@ -197,6 +208,7 @@ class ResidentPass:
             num_real,
             self._strategy.take_rows,
             row,
+            None if row is None else self._step_rows,
         )
 
     def _record(self, start: float, size: int, batches: int) -> None:

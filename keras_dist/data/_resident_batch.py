@@ -9,7 +9,9 @@ no program next to the step's own — and without `jit` it runs eagerly.
 
 The indices come either as the step's own vector, or as one row of a table
 of a whole pass's indices laid out once (`row`: a step number already on the
-devices; `_resident.ResidentPass`), so that a step transfers nothing.
+devices; `_resident.ResidentPass`), so that a step transfers nothing. A pass
+in the dataset's own order needs no table: its batch `row` is the block of
+rows `row * step_rows ...`, sliced rather than gathered.
 
 For JAX a `ResidentBatch` is a pytree of the arrays, the indices and the row
 (the structure and the real-row count are static). Keras's own tree utilities
@@ -36,26 +38,34 @@ class ResidentBatch:
         arrays: the dataset's arrays on every device (flattened).
         indices: int32 row indices laid out over the replicas (-1: padding),
             or, with `row`, a table of them: `(steps, rows)`, split over the
-            replicas along its second axis.
+            replicas along its second axis; None with `step_rows`.
         treedef: the structure of a batch (`arrays` unflattened).
         num_real: the real rows of a padded batch, or None.
         take: `strategy.take_rows`, to gather outside a step.
         row: the int32 scalar (replicated) that picks this step's row of the
-            table `indices`, or None.
+            table `indices`, or its batch of a pass in order; or None.
+        step_rows: for a batch of a pass in order (no `indices`): the rows
+            of a batch, so the batch is rows `row * step_rows ...`.
     """
 
-    def __init__(self, arrays, indices, treedef, num_real, take=None, row=None):
+    def __init__(
+        self, arrays, indices, treedef, num_real, take=None, row=None, step_rows=None
+    ):
         self.arrays = tuple(arrays)
         self.indices = indices
         self.treedef = treedef
         self.num_real = num_real
         self.take = take
         self.row = row
+        self.step_rows = step_rows
 
     def gather(self, take: Callable) -> Any:
         """The batch (a `PaddedBatch` when padded), gathered with `take`."""
-        indices = self.indices if self.row is None else self.indices[self.row]
-        rows = take(list(self.arrays), indices)
+        if self.step_rows is not None:  # A pass in order: a block of rows.
+            rows = take(list(self.arrays), self.row, step_rows=self.step_rows)
+        else:
+            indices = self.indices if self.row is None else self.indices[self.row]
+            rows = take(list(self.arrays), indices)
         return as_padded_batch(jax.tree.unflatten(self.treedef, rows), self.num_real)
 
 
@@ -64,7 +74,7 @@ class ResidentBatch:
 jax.tree_util.register_dataclass(
     ResidentBatch,
     data_fields=["arrays", "indices", "row"],
-    meta_fields=["treedef", "num_real"],
+    meta_fields=["treedef", "num_real", "step_rows"],
 )
 
 

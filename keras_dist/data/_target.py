@@ -54,5 +54,11 @@ class InputTarget(Protocol):
     def place_dataset(self, data: Any) -> Any:
         """Copies a whole dataset to every device (one process), for `take_rows`."""
 
-    def take_rows(self, dataset: list, indices: Any) -> list:
-        """Rows `indices` of a placed dataset, gathered on the devices."""
+    def take_rows(
+        self, dataset: list, indices: Any, *, step_rows: int | None = None
+    ) -> list:
+        """Rows `indices` of a placed dataset, gathered on the devices.
+
+        With `step_rows`, `indices` is a step number: that batch of a pass
+        in the dataset's order, sliced.
+        """

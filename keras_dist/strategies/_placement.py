@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard, _sparse
-from keras_dist.strategies._take_rows import take_rows
+from keras_dist.strategies._take_rows import take_rows, take_step
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -208,19 +208,26 @@ class Placement:
         """
         return jax.tree.map(lambda leaf: self._replicate(_as_array(leaf)), data)
 
-    def take_rows(self, dataset: list, indices) -> list:
+    def take_rows(self, dataset: list, indices, *, step_rows: int | None = None):
         """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
 
         Args:
             dataset: arrays `place_dataset` placed.
             indices: int32 row indices laid out by `shard` (a multiple of
                 `num_replicas_in_sync`); -1 gives a row of zeros (padding).
+                With `step_rows`: a replicated int32 step number `s`, for
+                the rows `s * step_rows ... (s + 1) * step_rows - 1` (batch
+                `s` of a pass in the dataset's order), sliced, not gathered.
                 Inside a compiled step: traced values.
+            step_rows: the rows of a batch, for a step number `indices`.
 
         Returns:
             The global batches, laid out as `shard` lays out a batch.
         """
-        placed = take_rows(self.mesh, dataset, indices)
+        if step_rows is None:
+            placed = take_rows(self.mesh, dataset, indices)
+        else:
+            placed = take_step(self.mesh, dataset, indices, step_rows)
         if self._shards_state() and not isinstance(placed[0], jax.core.Tracer):
             self._remember_batches(placed)
         return placed

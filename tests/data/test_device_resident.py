@@ -4,16 +4,19 @@ With `kd.InputOptions(device_resident=True)` each step's batch is gathered on
 the devices from Keras's row indices; the numbers must be those of the host
 path (`device_resident=False`) and of plain Keras, for every shuffle mode,
 partial batches (37 rows, 8 replicas: batch 8, whose full batches are laid
-out as one table a pass, and batch 10, every batch padded), sample weights,
-validation_split, steps_per_execution, eager steps and a resumed fit.
+out as one table a pass, or, in the dataset's order, sliced by step number;
+and batch 10, every batch padded), sample weights, validation_split,
+steps_per_execution, eager steps and a resumed fit.
 """
 
+import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_dist as kd
 from keras_dist.data import _call
+from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import (
     InterruptAt,
     assert_history_close,
@@ -134,7 +137,8 @@ class _Transfers:
         # (Before the first epoch, Keras reads one batch of a pass of its
         # own to build the model's metrics: one more table.)
         (True, {"shard": 3, "shard_steps": 4}),
-        (False, {"shard": 3, "shard_steps": 4}),
+        # In the dataset's order: no table; a step number names a block.
+        (False, {"shard": 3, "shard_steps": 0}),
         # Keras draws each batch's order as it reads it: one by one.
         ("batch", {"shard": 16, "shard_steps": 0}),
     ],
@@ -148,6 +152,28 @@ def test_a_pass_lays_out_its_indices_once(shuffle, want):
     assert transfers.counts == want  # 37 rows: 4 batches of 8 and 1 of 5.
     # One step number a full batch of a table, made once and kept.
     assert len(strategy._step_numbers) == (0 if shuffle == "batch" else 4)
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_a_batch_in_order_is_sliced_as_its_indices_would_gather(devices):
+    strategy = mirrored(devices)
+    data = [
+        np.arange(64 * 3, dtype=np.float32).reshape(64, 3),
+        np.arange(64, dtype=np.int32) * 10,
+    ]
+    placed = strategy.place_dataset(data)
+    step = strategy.step_numbers(3)[2]  # Batch 2 of 16 rows: rows 32-47.
+    sliced = strategy.take_rows(placed, step, step_rows=16)
+    gathered = strategy.take_rows(placed, strategy.shard(np.arange(32, 48)))
+    for got, want, rows in zip(sliced, gathered, data, strict=True):
+        np.testing.assert_array_equal(got, rows[32:48])
+        np.testing.assert_array_equal(got, want)
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    # Sliced on the devices: no gather in the program.
+    by_block = jax.make_jaxpr(lambda s: strategy.take_rows(placed, s, step_rows=16))
+    by_index = jax.make_jaxpr(lambda i: strategy.take_rows(placed, i))
+    assert not has_primitive(by_block(step).jaxpr, "gather")
+    assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
 
 
 def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
