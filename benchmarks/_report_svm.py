@@ -8,6 +8,7 @@ NAMES = {
     "A": "Keras fit, 1 device",
     "B": "keras_dist MirroredStrategy fit",
     "B32": "keras_dist fit, steps_per_execution=32",
+    "BS": "keras_dist fit, shuffle=True (rows gathered, not sliced)",
     "C": "Keras DataParallel, fit in the scope (as documented)",
     "C0": "Keras DataParallel, fit outside the scope (pitfall; keras_dist "
     "models remember their strategy)",
@@ -38,7 +39,7 @@ def _header(payload: dict) -> list:
     ]
     if payload.get("input") == "host":
         out.append(
-            "keras_dist fit (A, B, B32) with `--input host`: "
+            "keras_dist fit (A, B, B32, BS) with `--input host`: "
             "`InputOptions(device_resident=False)`, each batch laid out from "
             "the host."
         )

@@ -6,6 +6,9 @@ CONFIG is one of
     A    Keras fit on one device (keras_dist OneDeviceStrategy)
     B    keras_dist MirroredStrategy fit on DEVICES devices
     B32  B compiled with steps_per_execution=32
+    BS   B with shuffle=True: each step gathers its rows of the device-resident
+         data (every other configuration reads the data in order, which
+         keras_dist slices as blocks of rows)
     C    Keras 3's keras.distribution.DataParallel on the same devices, used
          as Keras documents it: model built, compiled and fit inside
          `with distribution.scope():`
@@ -100,7 +103,7 @@ def make_data():
 HOST_CPU_SECONDS: list = []
 
 
-def fit_and_time(keras, model, x, y, extra_callbacks=()):
+def fit_and_time(keras, model, x, y, extra_callbacks=(), shuffle=False):
     class EpochTimer(keras.callbacks.Callback):
         seconds: list = []
 
@@ -118,7 +121,7 @@ def fit_and_time(keras, model, x, y, extra_callbacks=()):
         y,
         batch_size=BATCH,
         epochs=1 + EPOCHS,
-        shuffle=False,
+        shuffle=shuffle,
         verbose=0,
         callbacks=[timer, *extra_callbacks],
     )
@@ -157,11 +160,11 @@ def run_keras_fit():
     devices = mesh_devices()
     if CONFIG == "A":
         strategy = kd.OneDeviceStrategy(devices[0])
-    elif CONFIG in ("B", "B32"):
+    elif CONFIG in ("B", "B32", "BS"):
         strategy = kd.MirroredStrategy(list(devices))
     else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
-    if CONFIG in ("A", "B", "B32") and os.environ.get(INPUT_ENV) == "host":
+    if CONFIG in ("A", "B", "B32", "BS") and os.environ.get(INPUT_ENV) == "host":
         strategy.input_options = kd.InputOptions(device_resident=False)
     report, extra = None, ()
     if CONFIG not in ("C", "C0"):
@@ -171,7 +174,9 @@ def run_keras_fit():
         model = set_initial_weights(make_model(keras, MODEL))
         compile_model(keras, model, 32 if CONFIG == "B32" else 1)
         if CONFIG != "C0":
-            seconds, loss = fit_and_time(keras, model, x, y, extra)
+            seconds, loss = fit_and_time(
+                keras, model, x, y, extra, shuffle=CONFIG == "BS"
+            )
     if CONFIG == "C0":  # The pitfall: fit after the scope has closed.
         seconds, loss = fit_and_time(keras, model, x, y, extra)
     return seconds, loss, report.result if report else None
@@ -322,7 +327,7 @@ def run_jax_loop():
 
 
 def main():
-    runner = dict.fromkeys(("A", "B", "B32", "C", "C0"), run_keras_fit)
+    runner = dict.fromkeys(("A", "B", "B32", "BS", "C", "C0"), run_keras_fit)
     runner.update(D=run_tf_fit, E=run_jax_loop, E32=run_jax_loop, F=run_jax_loop)
     seconds, loss, report = runner[CONFIG]()
     timed = seconds[1:]

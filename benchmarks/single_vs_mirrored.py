@@ -6,6 +6,7 @@ Trains each model at the same global batch in each configuration
     A    Keras fit, one device (OneDeviceStrategy)
     B    keras_dist MirroredStrategy fit, all devices
     B32  B with steps_per_execution=32
+    BS   B with shuffle=True (each step gathers its rows; the others read in order)
     C    keras.distribution.DataParallel, same devices, used as Keras
          documents it: built, compiled and fit inside its scope
     C0   the pitfall: the same, but fit outside the scope
@@ -40,7 +41,7 @@ from _report_svm import markdown, plot
 from _runs import combine_runs, machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ["A", "B", "B32", "C", "C0", "D", "E", "E32", "F"]
+CONFIGS = ["A", "B", "B32", "BS", "C", "C0", "D", "E", "E32", "F"]
 BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 # Steps per epoch: tiny takes ~1-3 ms a step, so it needs more of them to be
 # timed at all, and at least 32 for B32's executions of 32 steps.
@@ -75,7 +76,7 @@ def _parser():
         "--input",
         default="default",
         choices=["default", "host"],
-        help="keras_dist fit (A, B, B32) input: its default, or the host path "
+        help="keras_dist fit (A, B, B32, BS) input: its default, or the host path "
         "(InputOptions(device_resident=False))",
     )
     p.add_argument("--note", default="", help="free text for the results header")
@@ -151,7 +152,7 @@ def _ratio(rows, model, top, bottom, scale=1.0):
 
 
 RATIOS = (("B", "A"), ("B", "C"), ("B", "C0"), ("B", "D"), ("B", "E"))
-RATIOS += (("B32", "E"), ("B32", "E32"), ("F", "E"))
+RATIOS += (("B32", "E"), ("B32", "E32"), ("BS", "B"), ("F", "E"))
 
 
 def targets(rows: dict, models) -> list:

@@ -64,7 +64,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
     rows = {row["config"]: row for row in payload["rows"]}
     # E32 needs steps in multiples of 32: left out of a 2-step run.
-    assert list(rows) == ["A", "B", "B32", "C", "C0", "D", "E", "F"]
+    assert list(rows) == ["A", "B", "B32", "BS", "C", "C0", "D", "E", "F"]
     for row in rows.values():
         assert "error" not in row, row
         assert row["model"] == "tiny" and row["steps"] == 2
@@ -80,13 +80,14 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     # weights with the same Adam: the same loss (C0 too: it is slow, not wrong).
     losses = [rows[c]["final_loss"] for c in ("A", "B", "B32", "C", "C0", "D")]
     assert max(losses) - min(losses) < 1e-3 * max(losses)
+    assert rows["BS"]["final_loss"] != rows["B"]["final_loss"]  # Shuffled.
     assert set(rows["B"]["scaling_report"]) == {
         "compile_seconds",
         "input_ms_per_step",
         "input_fraction",
     }
     analysis = payload["analysis"]
-    ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "F/E"]
+    ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "BS/B", "F/E"]
     assert list(analysis["ratios"]["tiny"]) == ratios
     assert sorted(int(n) for n in analysis["scaling"]) == [1, 8]
     names = [t["target"] for t in analysis["targets"]]
@@ -102,7 +103,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
         assert f"{verdict}  {t['target']}: {t['value']:.2f}" in out
     text = (tmp_path / "single_vs_mirrored.md").read_text()
     assert "C0 Keras DataParallel, fit outside the scope (pitfall" in text
-    assert text.count("| tiny |") >= 8
+    assert text.count("| tiny |") >= 9
     assert (tmp_path / "single_vs_mirrored.png").stat().st_size > 10_000
 
 

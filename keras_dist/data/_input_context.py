@@ -105,7 +105,9 @@ class InputOptions:
         device_resident: for in-memory arrays (NumPy, `jax.Array`) given to
             `fit`/`evaluate`/`predict`: copy the whole dataset to every
             device once and gather each step's batch on the devices from an
-            index vector, in the order Keras's shuffle gives (same numbers).
+            index vector, in the order Keras's shuffle gives (same numbers);
+            in the dataset's own order (`shuffle=False`, `evaluate`,
+            `predict`) slice it as a block of rows.
             `True`: always, `None` (default): when the dataset takes at most
             `device_resident_budget` bytes, `False`: never. With
             several processes it is ignored (batches are laid out step by
