@@ -67,7 +67,12 @@ def _first_array(outputs: Any) -> jax.Array | None:
     if isinstance(outputs, dict):
         outputs = outputs.values()
     elif not isinstance(outputs, (list, tuple)):
-        return None
+        # Another pytree (a dataclass, a registered class): its leaves. A
+        # leaf that is not an array (None, a number, a tracer's) ends here.
+        leaves = jax.tree.leaves(outputs)
+        if leaves == [outputs]:
+            return None
+        outputs = leaves
     for item in outputs:
         found = _first_array(item)
         if found is not None:

@@ -8,6 +8,7 @@ pacer off (`unpaced`) and finished 4 of 4 times (7-8 s) with it on; the
 run here is the paced one, in its own process (an abort ends the process).
 """
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -65,6 +66,24 @@ def test_deleted_and_traced_outputs_are_skipped():
         pacer.after(jnp.ones(3))  # Pops the deleted one: no error.
     jax.jit(lambda v: pacer.after(v) or v)(jnp.ones(3))  # A tracer: skipped.
     assert len(pacer._in_flight) == DEPTH
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Outputs:  # A custom pytree, as a `strategy.run` function may return.
+    loss: jax.Array
+    extra: dict
+
+
+def test_custom_pytree_outputs_are_paced():
+    pacer = Pacer(jax.devices())
+    outputs = [_Outputs(jnp.ones(()) * i, {"n": jnp.ones(2)}) for i in range(3)]
+    for out in outputs:
+        pacer.after(out)
+    assert list(pacer._in_flight) == [out.loss for out in outputs]
+    pacer.after(_Outputs(None, {}))  # No array at all: nothing to wait for.
+    pacer.after(object())
+    assert len(pacer._in_flight) == 3
 
 
 def test_a_long_epoch_on_eight_cpu_devices_completes():
