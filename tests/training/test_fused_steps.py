@@ -36,6 +36,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist._keras_compat._input import _Unpadding
+from keras_dist.data._batch_group import group_of
 from keras_dist.training._fused_steps import FusedSteps, has_primitive
 from tests._helpers import (
     InterruptAt,
@@ -360,6 +361,28 @@ def test_the_step_decides_fusion_from_its_jaxpr():
         assert has_primitive(jax.make_jaxpr(fn)(x, kernel).jaxpr, conv)
     dense = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 2)))
     assert not has_primitive(dense.jaxpr, conv)
+
+
+def test_state_a_step_leaves_unchanged_is_the_programs_input():
+    """So an evaluate group copies no weights (host-memory state: no copy back)."""
+
+    def step(state, batch):  # Changes the counter, returns the weights as given.
+        weights, count = state
+        return jnp.sum(batch @ weights), (weights, count + 1)
+
+    fused = FusedSteps(step, jax.jit, steps=3, concatenate=False, keras_loop=None)
+    batches = [jnp.full((2, 4), float(i)) for i in range(3)]
+    group = group_of(batches)
+    state = (jnp.ones((4, 3)), jnp.zeros((), jnp.int32))
+    program = fused._fused(group)
+    jaxpr = jax.make_jaxpr(program)(state, group.shared, group.varying).jaxpr
+    weights_in, count_in = jaxpr.invars[:2]
+    _, weights_out, count_out = jaxpr.outvars
+    assert weights_out is weights_in  # Passed through, not a scan output.
+    assert count_out is not count_in
+    loss, (weights, count) = jax.jit(program)(state, group.shared, group.varying)
+    assert int(count) == 3 and float(loss) == 2 * 4 * 3 * 2.0
+    np.testing.assert_array_equal(weights, state[0])
 
 
 # 4. Callbacks ----------------------------------------------------------------
