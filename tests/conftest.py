@@ -29,3 +29,15 @@ def _no_leaked_distribution():
     keras.distribution.set_distribution(None)
     yield
     keras.distribution.set_distribution(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with slow tests first, each file's tests in their own order.
+
+    xdist hands each worker whole files (`--dist loadfile`) in this order
+    (`--no-loadscope-reorder`; by default it puts the files with the most
+    tests first, which left the few-test multi-process files to the end,
+    one worker running them while the other had finished).
+    """
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # Stable.
