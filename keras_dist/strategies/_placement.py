@@ -185,8 +185,9 @@ class Placement:
     def step_range(self, start: int, count: int) -> jax.Array:
         """The int32 vector `start ... start + count - 1`, replicated; kept.
 
-        A fused group of a device-resident pass names its rows of the index
-        table with one: one argument for N steps, not N scalars.
+        A fused group of a device-resident pass names its N steps with one
+        (rows of the pass's index table, or blocks of rows of a pass in
+        order): one argument for N steps, not N scalars.
         """
         numbers = self._step_ranges.get((start, count))
         if numbers is None:
