@@ -175,10 +175,12 @@ def other_strategy_error(
     """The error for `leaf` (at `argument`), split over `mesh`, given to `call`."""
     other = leaf._strategy if isinstance(leaf, PerReplica) else None
     if other is None:
+        # Several live strategies can share one mesh (jax interns equal
+        # meshes): name the newest, the one that most likely split `leaf`.
         other = next(
             (
                 s
-                for s in list(_ownership._STRATEGY_OF_MESH.values())
+                for s in reversed(list(_ownership._STRATEGY_OF_MESH.values()))
                 if s.mesh is mesh or s.mesh == mesh
             ),
             None,

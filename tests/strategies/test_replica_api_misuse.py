@@ -354,6 +354,23 @@ def test_run_refuses_a_batch_of_another_strategy(make_other):
         strategy.run(lambda rows: rows["x"], kwargs={"rows": {"x": batch}})
 
 
+def test_the_error_names_the_newest_strategy_over_the_batchs_devices(monkeypatch):
+    """Two live strategies over the same 8 devices: the newer split the batch."""
+    for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "KERAS_DIST_COORDINATOR"):
+        monkeypatch.delenv(name, raising=False)
+    older = kd.MultiWorkerMirroredStrategy()
+    strategy, other = _first_half(), mirrored(8)
+    assert older.mesh == other.mesh
+    batch = _distributed_batch(other, _data()[0])
+    with pytest.raises(ValueError) as info:
+        strategy.run(lambda r: r, args=(batch,))
+    assert f"is a batch distributed by {other!r}, not by this strategy" in str(
+        info.value
+    )
+    assert "MultiWorkerMirroredStrategy" not in str(info.value)
+    del older
+
+
 def test_run_refuses_a_per_replica_value_of_another_strategy():
     strategy, other = _first_half(), _second_half()
     x, _ = _data()
