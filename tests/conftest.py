@@ -8,6 +8,21 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
 os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # TF must not grab a GPU.
+# JAX's persistent compilation cache, shared by both xdist workers and every
+# process a test starts (they inherit the environment): the suite builds the
+# same small models under the same strategies in many files, and compiling is
+# most of its time on 2 cores (tests/data/test_sparse.py: 77 s cold, 27 s
+# with every program cached). A cached executable is the one XLA would build;
+# the key holds the jax version, the program, its devices and options. The
+# size cap turns on JAX's file lock, so concurrent writers do not tear an
+# entry. Set JAX_COMPILATION_CACHE_DIR to use another directory.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax  # noqa: E402
 import keras  # noqa: E402
