@@ -13,16 +13,18 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # TF must not grab a GPU.
 # same small models under the same strategies in many files, and compiling is
 # most of its time on 2 cores (tests/data/test_sparse.py: 77 s cold, 27 s
 # with every program cached). A cached executable is the one XLA would build;
-# the key holds the jax version, the program, its devices and options. The
-# size cap turns on JAX's file lock, so concurrent writers do not tear an
-# entry. Set JAX_COMPILATION_CACHE_DIR to use another directory.
+# the key holds the jax version, the program, its devices and options. No
+# size cap: with one, JAX rescans the whole directory under a file lock at
+# every write, which made a full run slower than no cache. An entry read
+# while another process still writes it fails to load: JAX warns and
+# compiles. It sits where pytest's `config.cache.mkdir` puts directories, so
+# `pytest --cache-clear` empties it; JAX_COMPILATION_CACHE_DIR moves it.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "jax"),
+    "JAX_COMPILATION_CACHE_DIR", os.path.join(_ROOT, ".pytest_cache", "d", "jax")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax  # noqa: E402
 import keras  # noqa: E402
