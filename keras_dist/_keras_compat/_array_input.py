@@ -51,7 +51,10 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
         rows = _rows(adapter)
         if call is not None and call.check_batch is not None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
-        found = (adapter, lay_out_resident(strategy, rows))
+        found = (
+            adapter,
+            lay_out_resident(strategy, rows, block_rows=_blocks(adapter, strategy)),
+        )
         cache[id(adapter)] = found
     # Keras draws a `shuffle="batch"` order as it reads each batch.
     read_ahead = adapter._shuffle != "batch"
@@ -62,6 +65,24 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
         call=call,
         read_ahead=read_ahead,
     )
+
+
+def _blocks(adapter: Any, strategy: InputTarget) -> int | None:
+    """The batch size, when every pass reads the data in order in full batches.
+
+    Then the data is laid out as blocks split over the replicas, 1/replicas
+    of it on each device (`Strategy.place_blocks`), instead of a copy on
+    every device: `evaluate`, `predict`, validation data, `fit(shuffle=False)`.
+    """
+    size = adapter._batch_size
+    if (
+        adapter._shuffle
+        or not size
+        or size % strategy.num_replicas_in_sync
+        or adapter._num_samples < size
+    ):
+        return None
+    return size
 
 
 def _is_dense(leaf: Any) -> bool:

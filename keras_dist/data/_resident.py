@@ -10,6 +10,13 @@ step's row indices: inside the step, each replica gathers its rows of the
 global batch from its own copy, with no communication (`Strategy.take_rows`,
 `_resident_batch.ResidentBatch`).
 
+A dataset only ever read in its own order (`evaluate`, `predict`, the
+validation data, `fit(shuffle=False)`) is not copied to every device: its
+full batches are laid out as blocks split over the replicas
+(`Strategy.place_blocks`), so each device holds 1/replicas of it, and a
+step takes its block; the rows of a partial last batch, fewer than a batch,
+are copied to every device and gathered as above.
+
 The indices are the ones Keras's own batching gives for the same call (the
 same shuffle, the same NumPy random draws at the same moments; computed by
 the seam that reads Keras's adapter), so the batches are, row for row, those
@@ -38,11 +45,19 @@ __all__ = ["ResidentData", "ResidentPass", "lay_out_resident", "wants_resident"]
 
 @dataclasses.dataclass(frozen=True)
 class ResidentData:
-    """A dataset laid out on the mesh: its arrays, structure and real rows."""
+    """A dataset laid out on the mesh: its arrays, structure and real rows.
+
+    With `block_rows`, `arrays` are the full batches of `block_rows` rows as
+    blocks split over the replicas (`Strategy.place_blocks`), and `tail` the
+    rows after them, on every device. Otherwise `arrays` is the dataset on
+    every device.
+    """
 
     arrays: list
     treedef: Any
     rows: int
+    tail: list | None = None
+    block_rows: int | None = None
 
 
 def wants_resident(options: InputOptions, total_bytes: int) -> bool:
@@ -52,11 +67,23 @@ def wants_resident(options: InputOptions, total_bytes: int) -> bool:
     return total_bytes <= options.device_resident_budget
 
 
-def lay_out_resident(strategy: InputTarget, data: Any) -> ResidentData:
-    """Copies `data` (a pytree of host arrays, rows first) to every device."""
+def lay_out_resident(
+    strategy: InputTarget, data: Any, *, block_rows: int | None = None
+) -> ResidentData:
+    """Copies `data` (a pytree of host arrays, rows first) to the devices.
+
+    To every device; or, with `block_rows` (a dataset read only in order,
+    in batches of `block_rows` rows, a multiple of the replica count), as
+    blocks of its full batches split over the replicas, and its remaining
+    rows to every device.
+    """
     rows = batch_size_of(data) or 0
-    arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
-    return ResidentData(arrays, treedef, rows)
+    if block_rows is None:
+        arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
+        return ResidentData(arrays, treedef, rows)
+    blocks, tail = strategy.place_blocks(data, block_rows)
+    arrays, treedef = jax.tree.flatten(blocks)
+    return ResidentData(arrays, treedef, rows, jax.tree.leaves(tail), block_rows)
 
 
 class ResidentPass:
@@ -118,13 +145,21 @@ class ResidentPass:
         taken = self._take(1)
         if not taken:
             raise StopIteration
-        if position < self._table_steps:
-            number = self._strategy.step_numbers(position + 1)[position]
-            batch = self._batch(self._table, None, number)
-        else:
-            batch = self._lay_out(taken[0])
+        batch = self._at(position, taken[0])
         self._record(start, len(taken[0]), 1)
         return batch
+
+    def _at(self, position: int, indices: np.ndarray) -> ResidentBatch:
+        """Batch `position` of the pass, whose rows are `indices`.
+
+        A row of the pass's table (or block of rows) when it has one, named
+        by a kept step number: nothing to transfer. Otherwise laid out from
+        its indices.
+        """
+        if position < self._table_steps:
+            number = self._strategy.step_numbers(position + 1)[position]
+            return self._batch(self._table, None, number)
+        return self._lay_out(indices)
 
     def next_group(self, count: int) -> BatchGroup | list:
         """The next `count` batches, for one program (`steps_per_execution`).
@@ -149,9 +184,11 @@ class ResidentPass:
             self._record(start, size, count)
             rows = self._strategy.step_range(position, count)
             return BatchGroup(*self._table_form, (rows,))
-        uneven = size % self._replicas
+        uneven = size % self._replicas or self._resident.block_rows is not None
         if len(group) < count or uneven or any(len(i) != size for i in group):
-            batches = [self._lay_out(indices) for indices in group]
+            batches = [
+                self._at(position + i, indices) for i, indices in enumerate(group)
+            ]
             self._record(start, size, len(group))
             return batches
         stacked = self._strategy.shard_steps(np.stack(group))
@@ -183,13 +220,34 @@ class ResidentPass:
         steps = next((i for i, b in enumerate(batches) if len(b) != size), len(batches))
         table = np.stack(batches[:steps])
         self._table_steps = steps
-        if np.array_equal(table.ravel(), np.arange(table.size)):
+        in_order = np.array_equal(table.ravel(), np.arange(table.size))
+        block_rows = self._resident.block_rows
+        if block_rows is not None and not (in_order and size == block_rows):
+            raise RuntimeError(  # `resident_pass` chose blocks for an ordered pass.
+                f"keras_dist laid this dataset out for passes in order, in "
+                f"batches of {block_rows} rows; this pass reads batches of "
+                f"{size} rows{'' if in_order else ' out of order'}. Please "
+                "report it; pass `kd.InputOptions(device_resident=False)` "
+                "meanwhile."
+            )
+        if in_order:
             self._step_rows = size  # In order: batch k is rows k * size ...
         else:
             self._table = self._strategy.shard_steps(table)
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
+        block_rows = self._resident.block_rows
+        if block_rows is not None:  # Rows after the blocks: the tail's.
+            first = len(self._resident.arrays[0]) * block_rows
+            if size and indices.min() < first:
+                raise RuntimeError(
+                    f"keras_dist laid this dataset out as blocks of {block_rows} "
+                    f"rows; a batch of {size} rows reads rows before row "
+                    f"{first}, which are not in its tail. Please report it; "
+                    "pass `kd.InputOptions(device_resident=False)` meanwhile."
+                )
+            indices = indices - first
         padded = round_up(size, self._replicas)
         if padded != size:
             indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
@@ -201,14 +259,17 @@ class ResidentPass:
         self, indices: Any, num_real: int | None, row: Any = None
     ) -> ResidentBatch:
         resident = self._resident
+        blocked = resident.block_rows is not None
+        arrays = resident.tail if blocked and row is None else resident.arrays
         return ResidentBatch(
-            resident.arrays,
+            arrays,
             indices,
             resident.treedef,
             num_real,
             self._strategy.take_rows,
             row,
             None if row is None else self._step_rows,
+            blocked and row is not None,
         )
 
     def _record(self, start: float, size: int, batches: int) -> None:

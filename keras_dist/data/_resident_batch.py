@@ -11,7 +11,10 @@ The indices come either as the step's own vector, or as one row of a table
 of a whole pass's indices laid out once (`row`: a step number already on the
 devices; `_resident.ResidentPass`), so that a step transfers nothing. A pass
 in the dataset's own order needs no table: its batch `row` is the block of
-rows `row * step_rows ...`, sliced rather than gathered.
+rows `row * step_rows ...`, sliced rather than gathered — or, for a dataset
+only ever read in order, laid out as blocks split over the replicas
+(`blocked`: each device holds its rows of each batch, not the dataset), the
+`row`-th block.
 
 For JAX a `ResidentBatch` is a pytree of the arrays, the indices and the row
 (the structure and the real-row count are static). Keras's own tree utilities
@@ -46,10 +49,20 @@ class ResidentBatch:
             table `indices`, or its batch of a pass in order; or None.
         step_rows: for a batch of a pass in order (no `indices`): the rows
             of a batch, so the batch is rows `row * step_rows ...`.
+        blocked: with `step_rows`, `arrays` are blocks of batches
+            (`Placement.place_blocks`): the batch is block `row`.
     """
 
     def __init__(
-        self, arrays, indices, treedef, num_real, take=None, row=None, step_rows=None
+        self,
+        arrays,
+        indices,
+        treedef,
+        num_real,
+        take=None,
+        row=None,
+        step_rows=None,
+        blocked=False,
     ):
         self.arrays = tuple(arrays)
         self.indices = indices
@@ -58,10 +71,13 @@ class ResidentBatch:
         self.take = take
         self.row = row
         self.step_rows = step_rows
+        self.blocked = blocked
 
     def gather(self, take: Callable) -> Any:
         """The batch (a `PaddedBatch` when padded), gathered with `take`."""
-        if self.step_rows is not None:  # A pass in order: a block of rows.
+        if self.blocked:  # A dataset read only in order: block `row`.
+            rows = take(list(self.arrays), self.row, blocked=True)
+        elif self.step_rows is not None:  # A pass in order: a block of rows.
             rows = take(list(self.arrays), self.row, step_rows=self.step_rows)
         else:
             indices = self.indices if self.row is None else self.indices[self.row]
@@ -74,7 +90,7 @@ class ResidentBatch:
 jax.tree_util.register_dataclass(
     ResidentBatch,
     data_fields=["arrays", "indices", "row"],
-    meta_fields=["treedef", "num_real", "step_rows"],
+    meta_fields=["treedef", "num_real", "step_rows", "blocked"],
 )
 
 

@@ -54,11 +54,20 @@ class InputTarget(Protocol):
     def place_dataset(self, data: Any) -> Any:
         """Copies a whole dataset to every device (one process), for `take_rows`."""
 
+    def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
+        """A dataset read in order as blocks split over the replicas, and its tail."""
+
     def take_rows(
-        self, dataset: list, indices: Any, *, step_rows: int | None = None
+        self,
+        dataset: list,
+        indices: Any,
+        *,
+        step_rows: int | None = None,
+        blocked: bool = False,
     ) -> list:
         """Rows `indices` of a placed dataset, gathered on the devices.
 
         With `step_rows`, `indices` is a step number: that batch of a pass
-        in the dataset's order, sliced.
+        in the dataset's order, sliced. With `blocked`, the dataset is
+        `place_blocks`'s blocks and `indices` a step number: that block.
         """

@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard, _sparse
-from keras_dist.strategies._take_rows import take_rows, take_step
+from keras_dist.strategies._take_rows import take_block, take_rows, take_step
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -209,11 +209,55 @@ class Placement:
         """
         return jax.tree.map(lambda leaf: self._replicate(_as_array(leaf)), data)
 
-    def take_rows(self, dataset: list, indices, *, step_rows: int | None = None):
+    def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
+        """Lays a dataset read in its order out as blocks split over the replicas.
+
+        For a pass in the dataset's own order, batches of `batch_rows` rows
+        (a multiple of `num_replicas_in_sync`): its full batches become one
+        array `(steps, batch_rows, ...)` per leaf, split along the batch
+        axis, so each device holds only its rows of every batch (not a copy
+        of the dataset) and `take_rows(blocks, step, blocked=True)` takes a
+        batch with no communication. One process only.
+
+        Returns:
+            `(blocks, tail)`: pytrees like `data`, the full batches as
+            blocks, and the rows after them (fewer than `batch_rows`: a
+            partial last batch) copied to every device, for `take_rows`.
+        """
+        if batch_rows % self.num_replicas_in_sync:
+            raise ValueError(
+                "`place_blocks` splits each batch over the replicas. Received "
+                f"batch_rows={batch_rows} for {self.num_replicas_in_sync} "
+                "replicas; pass a multiple of the replica count."
+            )
+
+        def blocks(leaf):
+            leaf = _as_array(leaf)
+            steps = leaf.shape[0] // batch_rows
+            full = leaf[: steps * batch_rows].reshape(
+                steps, batch_rows, *leaf.shape[1:]
+            )
+            return _place(full, self._steps_sharding(full.ndim))
+
+        def tail(leaf):
+            leaf = _as_array(leaf)
+            return self._replicate(leaf[leaf.shape[0] // batch_rows * batch_rows :])
+
+        return jax.tree.map(blocks, data), jax.tree.map(tail, data)
+
+    def take_rows(
+        self,
+        dataset: list,
+        indices,
+        *,
+        step_rows: int | None = None,
+        blocked: bool = False,
+    ):
         """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
 
         Args:
-            dataset: arrays `place_dataset` placed.
+            dataset: arrays `place_dataset` placed (or, with `blocked`,
+                arrays of blocks `place_blocks` placed).
             indices: int32 row indices laid out by `shard` (a multiple of
                 `num_replicas_in_sync`); -1 gives a row of zeros (padding).
                 With `step_rows`: a replicated int32 step number `s`, for
@@ -221,11 +265,15 @@ class Placement:
                 `s` of a pass in the dataset's order), sliced, not gathered.
                 Inside a compiled step: traced values.
             step_rows: the rows of a batch, for a step number `indices`.
+            blocked: `dataset` is blocks (`place_blocks`) and `indices` a
+                step number: that block, taken on each device.
 
         Returns:
             The global batches, laid out as `shard` lays out a batch.
         """
-        if step_rows is None:
+        if blocked:
+            placed = take_block(self.mesh, dataset, indices)
+        elif step_rows is None:
             placed = take_rows(self.mesh, dataset, indices)
         else:
             placed = take_step(self.mesh, dataset, indices, step_rows)

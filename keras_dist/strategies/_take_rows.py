@@ -1,21 +1,26 @@
-"""Rows of a dataset copied to every device, gathered on the devices by index.
+"""Rows of a device-resident dataset, taken on the devices by index or by block.
 
-A device-resident dataset (`keras_dist/data/_resident.py`) is copied once to
-every device of the mesh. A step's global batch is the rows named by an index
-vector; replica `r` receives its share of the vector (a few bytes a row) and
-takes its rows from its own copy: batch rows `r * b ... (r + 1) * b - 1`, the
-layout of `shard`, with no communication between devices. An index of -1
-gives a row of zeros: the padding of a partial batch.
+A device-resident dataset (`keras_dist/data/_resident.py`) that `fit`
+shuffles is copied once to every device of the mesh. A step's global batch
+is the rows named by an index vector; replica `r` receives its share of the
+vector (a few bytes a row) and takes its rows from its own copy: batch rows
+`r * b ... (r + 1) * b - 1`, the layout of `shard`, with no communication
+between devices. An index of -1 gives a row of zeros: the padding of a
+partial batch. On CPU devices the benchmark's tiny model took 1.28x as long
+a step shuffled, gathering, as in order (BS/B, `benchmarks/README.md`).
 
-A batch of a pass in the dataset's own order (`shuffle=False`, and every
-`evaluate`/`predict`) is a contiguous block of rows: `take_step` slices it
-(each replica one `dynamic_slice` of its rows) instead of gathering it row
-by row. On CPU devices the benchmark's tiny model took 1.28x as long a step
-shuffled, gathering, as in order (BS/B, `benchmarks/README.md`).
+A dataset read only in its own order (`evaluate`, `predict`, the validation
+data, `fit(shuffle=False)`) is not copied to every device: its full batches
+are laid out as blocks `(steps, batch, ...)` split over the replicas along
+the batch axis (`Placement.place_blocks`), each device holding only its rows
+of every batch — 1/replicas of the dataset — and `take_block` indexes the
+step's block on each device, with no communication either. (A pass of a
+copied dataset that happens to be in order — one batch — is sliced by
+`take_step` rather than gathered.)
 
 The gather has no collective on purpose: on a CPU with virtual devices, a
 second program with a collective in flight next to the step's all-reduce was
-seen to deadlock XLA's rendezvous (a layout with rows split over the
+seen to deadlock XLA's rendezvous (a shuffled read of rows split over the
 replicas needs one).
 """
 
@@ -26,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["take_rows", "take_step"]
+__all__ = ["take_block", "take_rows", "take_step"]
 
 _AXIS = "batch"
 
@@ -79,6 +84,32 @@ def _step_taker(mesh: Mesh, rows: int) -> Callable:
         take_local,
         mesh=mesh,
         in_specs=(PartitionSpec(), PartitionSpec()),
+        out_specs=PartitionSpec(_AXIS),
+    )
+    return jax.jit(mapped)
+
+
+def take_block(mesh: Mesh, blocks: Sequence[jax.Array], step) -> list:
+    """Batch `step` of each array of `blocks`, split over `mesh`.
+
+    Args:
+        mesh: the 1-D mesh (axis `"batch"`).
+        blocks: arrays `(steps, batch, ...)` split over `mesh` along their
+            second axis (`Placement.place_blocks`).
+        step: an int32 scalar, replicated (inside a step: traced).
+    """
+    return _block_taker(mesh)(list(blocks), step)
+
+
+@functools.cache
+def _block_taker(mesh: Mesh) -> Callable:
+    def take_local(blocks: list, step) -> list:
+        return [jax.lax.dynamic_index_in_dim(a, step, keepdims=False) for a in blocks]
+
+    mapped = jax.shard_map(
+        take_local,
+        mesh=mesh,
+        in_specs=(PartitionSpec(None, _AXIS), PartitionSpec()),
         out_specs=PartitionSpec(_AXIS),
     )
     return jax.jit(mapped)

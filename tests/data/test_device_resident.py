@@ -16,6 +16,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.data import _call
+from keras_dist.data._resident import ResidentPass, lay_out_resident
 from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import (
     InterruptAt,
@@ -176,6 +177,83 @@ def test_a_batch_in_order_is_sliced_as_its_indices_would_gather(devices):
     assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
 
 
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_a_slice(devices):
+    strategy = mirrored(devices)
+    data = [
+        np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
+        np.arange(70, dtype=np.int32) * 10,
+    ]
+    blocks, tail = strategy.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
+    for block, rows in zip(blocks, data, strict=True):
+        assert block.shape == (4, 16, *rows.shape[1:])
+        for shard in block.addressable_shards:  # Its rows of every batch.
+            assert shard.data.shape[:2] == (4, 16 // devices)
+    for part, rows in zip(tail, data, strict=True):
+        np.testing.assert_array_equal(part, rows[64:])
+        assert part.sharding.is_fully_replicated
+    step = strategy.step_numbers(3)[2]  # Batch 2: rows 32-47.
+    taken = strategy.take_rows(blocks, step, blocked=True)
+    placed = strategy.place_dataset(data)
+    sliced = strategy.take_rows(placed, step, step_rows=16)
+    for got, want, rows in zip(taken, sliced, data, strict=True):
+        np.testing.assert_array_equal(got, rows[32:48])
+        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    # Each device indexes its own block: no gather, no collective.
+    jaxpr = jax.make_jaxpr(lambda s: strategy.take_rows(blocks, s, blocked=True))
+    for primitive in ("gather", "all_gather", "psum", "all_to_all", "ppermute"):
+        assert not has_primitive(jaxpr(step).jaxpr, primitive)
+    with pytest.raises(ValueError, match="batch_rows=12 for 8 replicas"):
+        mirrored(8).place_blocks(data, 12)
+
+
+class _Layouts:
+    """Records the datasets a strategy lays out: copied to every device or blocks."""
+
+    def __init__(self, strategy):
+        self.copies, self.blocks = [], []
+        place_dataset, place_blocks = strategy.place_dataset, strategy.place_blocks
+
+        def copied(data):
+            self.copies.append(place_dataset(data))
+            return self.copies[-1]
+
+        def blocked(data, batch_rows):
+            self.blocks.append(place_blocks(data, batch_rows))
+            return self.blocks[-1]
+
+        strategy.place_dataset, strategy.place_blocks = copied, blocked
+
+    def rows_on_first_device(self, placed) -> int:
+        device = jax.devices()[0]
+        leaf = jax.tree.leaves(placed)[0]
+        data = next(s.data for s in leaf.addressable_shards if s.device == device)
+        return int(np.prod(data.shape[: leaf.ndim - X.ndim + 1]))
+
+
+def test_data_read_only_in_order_is_split_over_the_replicas_not_copied():
+    strategy = mirrored(8)
+    strategy.input_options = kd.InputOptions(device_resident=True)
+    model = build_in_scope(strategy, WEIGHTS)
+    layouts = _Layouts(strategy)
+    # Shuffled training data is copied; its validation split is read in order.
+    model.fit(X, Y, batch_size=8, epochs=2, validation_split=0.2, verbose=0)
+    assert len(layouts.copies) == 1 and len(layouts.blocks) == 1
+    assert layouts.rows_on_first_device(layouts.copies[0]) == 29  # All of it.
+    validation_blocks, validation_tail = layouts.blocks[0]  # 8 rows: 1 batch.
+    assert len(jax.tree.leaves(validation_blocks)[0]) == 1
+    assert layouts.rows_on_first_device(validation_blocks) == 1  # Not 8.
+    assert len(jax.tree.leaves(validation_tail)[0]) == 0
+    layouts.copies.clear(), layouts.blocks.clear()
+    model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model.evaluate(X, Y, batch_size=8, verbose=0)
+    model.predict(X, batch_size=8, verbose=0)
+    assert layouts.copies == [] and len(layouts.blocks) == 3
+    for blocks, tail in layouts.blocks:  # 37 rows: 4 batches of 8, then 5.
+        assert layouts.rows_on_first_device(blocks) == 4  # Not 37.
+        np.testing.assert_array_equal(jax.tree.leaves(tail)[0], X[32:])
+
+
 def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
     strategy = mirrored(8)
     strategy.input_options = kd.InputOptions(device_resident=True)
@@ -293,31 +371,47 @@ def test_input_options_are_checked():
         mirrored(2).input_options = {"device_resident": True}
 
 
-def _resumable_fit(model, *callbacks):
+def _resumable_fit(model, *callbacks, shuffle=True):
     keras.utils.set_random_seed(11)
     return model.fit(
         X,
         Y,
         batch_size=8,
         epochs=3,
-        shuffle=True,
+        shuffle=shuffle,
         callbacks=list(callbacks),
         verbose=0,
     )
 
 
-def test_backup_and_restore_resumes_exactly(tmp_path, capsys):
+@pytest.mark.parametrize("shuffle", [True, False])  # A table; blocks.
+def test_backup_and_restore_resumes_exactly(tmp_path, capsys, shuffle):
     backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
     with pytest.raises(RuntimeError, match="interrupted at step 7"):
-        _resumable_fit(_model(True), backup, InterruptAt(7))
+        _resumable_fit(_model(True), backup, InterruptAt(7), shuffle=shuffle)
     spy = _Resident()
     model = _model(True)
     history = _resumable_fit(
-        model, kd.callbacks.BackupAndRestore(tmp_path), spy
+        model, kd.callbacks.BackupAndRestore(tmp_path), spy, shuffle=shuffle
     ).history
     assert "resuming at epoch 2, step 2" in capsys.readouterr().out
     assert spy.counts["fit"] == 1
     expected = _model(True)
-    expected_history = _resumable_fit(expected).history
+    expected_history = _resumable_fit(expected, shuffle=shuffle).history
     np.testing.assert_equal(model.get_weights(), expected.get_weights())
     assert history["loss"] == expected_history["loss"][1:]
+
+
+def test_a_shuffled_pass_over_blocks_is_refused_not_misread():
+    # `resident_pass` lays blocks out only for passes in order; a pass that
+    # is not must fail loudly, never read the wrong rows.
+    strategy = mirrored(8)
+    data = lay_out_resident(strategy, (X, Y), block_rows=8)
+    order = np.random.RandomState(0).permutation(37)
+    batches = [order[i : i + 8] for i in range(0, 37, 8)]
+    shuffled = ResidentPass(strategy, data, iter(batches), call=None, read_ahead=True)
+    with pytest.raises(RuntimeError, match="batches of 8 rows out of order"):
+        next(shuffled)
+    tail = ResidentPass(strategy, data, iter([np.arange(30, 37)]), call=None)
+    with pytest.raises(RuntimeError, match="reads rows before row 32"):
+        next(tail)
