@@ -103,18 +103,22 @@ class InputOptions:
         experimental_per_replica_buffer_size: how many batches to keep ready
             ahead of the step (>= 1). Defaults to 1.
         device_resident: for in-memory arrays (NumPy, `jax.Array`) given to
-            `fit`/`evaluate`/`predict`: copy the whole dataset to every
-            device once and gather each step's batch on the devices from an
-            index vector, in the order Keras's shuffle gives (same numbers);
-            in the dataset's own order (`shuffle=False`, `evaluate`,
-            `predict`) slice it as a block of rows.
+            `fit`/`evaluate`/`predict`: lay the dataset out on the devices
+            once, and take each step's batch there. Data that `fit`
+            shuffles is copied to every device and each step gathers its
+            rows from an index vector, in the order Keras's shuffle gives
+            (same numbers); data read only in its own order
+            (`shuffle=False`, `evaluate`, `predict`, validation data) is
+            split over the replicas as blocks of batches, each device
+            holding its rows of every batch (1/replicas of the data), and
+            each step takes its block.
             `True`: always, `None` (default): when the dataset takes at most
             `device_resident_budget` bytes, `False`: never. With
             several processes it is ignored (batches are laid out step by
             step, on a background thread).
-        device_resident_budget: bytes (of the whole dataset, which every
-            device holds) up to which `device_resident=None` keeps it on
-            the devices. Defaults to 256 MiB.
+        device_resident_budget: bytes (of the whole dataset) up to which
+            `device_resident=None` keeps it on the devices. Defaults to
+            256 MiB.
         fuse_steps: with `steps_per_execution=N > 1` in `compile`, run each
             group of N batches of the same shapes as one compiled program
             (a `lax.scan` of the step): one dispatch per N steps instead of
