@@ -273,6 +273,23 @@ def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
     assert ranges[2, 2].sharding.is_fully_replicated
 
 
+@pytest.mark.parametrize("shuffle", [True, False])  # Copied; blocks.
+def test_jax_array_inputs_equal_numpy_inputs(shuffle):
+    def run(x, y):
+        keras.utils.set_random_seed(3)
+        model = _model(True)
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=shuffle, verbose=0)
+        scores = model.evaluate(x, y, batch_size=8, verbose=0)
+        return history.history, scores, model.predict(x, batch_size=8, verbose=0)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("batch",))
+    everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    # One committed to a device, one on every device of the mesh.
+    on_devices = run(jax.device_put(X, jax.devices()[3]), jax.device_put(Y, everywhere))
+    for got, want in zip(on_devices, run(X, Y), strict=True):
+        np.testing.assert_equal(got, want)
+
+
 @pytest.mark.parametrize(
     "mode", [{"steps_per_execution": 3}, {"run_eagerly": True}], ids=str
 )
