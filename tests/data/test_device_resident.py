@@ -155,13 +155,18 @@ def test_a_pass_lays_out_its_indices_once(shuffle, want):
     assert len(strategy._step_numbers) == (0 if shuffle == "batch" else 4)
 
 
+def _numbered_rows(rows):
+    """Two arrays whose values name their rows: features and labels."""
+    return [
+        np.arange(rows * 3, dtype=np.float32).reshape(rows, 3),
+        np.arange(rows, dtype=np.int32) * 10,
+    ]
+
+
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_a_batch_in_order_is_sliced_as_its_indices_would_gather(devices):
     strategy = mirrored(devices)
-    data = [
-        np.arange(64 * 3, dtype=np.float32).reshape(64, 3),
-        np.arange(64, dtype=np.int32) * 10,
-    ]
+    data = _numbered_rows(64)
     placed = strategy.place_dataset(data)
     step = strategy.step_numbers(3)[2]  # Batch 2 of 16 rows: rows 32-47.
     sliced = strategy.take_rows(placed, step, step_rows=16)
@@ -180,10 +185,7 @@ def test_a_batch_in_order_is_sliced_as_its_indices_would_gather(devices):
 @pytest.mark.parametrize("devices", [1, 2, 8])
 def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_a_slice(devices):
     strategy = mirrored(devices)
-    data = [
-        np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
-        np.arange(70, dtype=np.int32) * 10,
-    ]
+    data = _numbered_rows(70)
     blocks, tail = strategy.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
     for block, rows in zip(blocks, data, strict=True):
         assert block.shape == (4, 16, *rows.shape[1:])
