@@ -18,11 +18,8 @@ from keras.src import tree
 from keras.src.trainers.data_adapters import array_slicing
 
 from keras_dist.data import _call
-from keras_dist.data._resident import (
-    ResidentPass,
-    lay_out_resident,
-    wants_resident,
-)
+from keras_dist.data._resident import ResidentPass
+from keras_dist.data._resident_data import lay_out_resident, wants_resident
 from keras_dist.data._target import InputTarget
 
 __all__ = ["resident_pass"]

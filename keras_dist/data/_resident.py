@@ -24,7 +24,6 @@ of the host path. A partial batch is padded as on the host path (index -1:
 zero rows) and travels as a `PaddedBatch` that the step cuts.
 """
 
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -35,55 +34,12 @@ import numpy as np
 
 from keras_dist.data._batch_group import BatchGroup
 from keras_dist.data._call import CallState
-from keras_dist.data._input_context import InputOptions
-from keras_dist.data._partial_batch import batch_size_of, round_up
+from keras_dist.data._partial_batch import round_up
 from keras_dist.data._resident_batch import ResidentBatch
+from keras_dist.data._resident_data import ResidentData
 from keras_dist.data._target import InputTarget
 
-__all__ = ["ResidentData", "ResidentPass", "lay_out_resident", "wants_resident"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidentData:
-    """A dataset laid out on the mesh: its arrays, structure and real rows.
-
-    With `block_rows`, `arrays` are the full batches of `block_rows` rows as
-    blocks split over the replicas (`Strategy.place_blocks`), and `tail` the
-    rows after them, on every device. Otherwise `arrays` is the dataset on
-    every device.
-    """
-
-    arrays: list
-    treedef: Any
-    rows: int
-    tail: list | None = None
-    block_rows: int | None = None
-
-
-def wants_resident(options: InputOptions, total_bytes: int) -> bool:
-    """Whether a dataset of `total_bytes` goes to the devices under `options`."""
-    if options.device_resident is not None:
-        return options.device_resident
-    return total_bytes <= options.device_resident_budget
-
-
-def lay_out_resident(
-    strategy: InputTarget, data: Any, *, block_rows: int | None = None
-) -> ResidentData:
-    """Copies `data` (a pytree of host arrays, rows first) to the devices.
-
-    To every device; or, with `block_rows` (a dataset read only in order,
-    in batches of `block_rows` rows, a multiple of the replica count), as
-    blocks of its full batches split over the replicas, and its remaining
-    rows to every device.
-    """
-    rows = batch_size_of(data) or 0
-    if block_rows is None:
-        arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
-        return ResidentData(arrays, treedef, rows)
-    blocks, tail = strategy.place_blocks(data, block_rows)
-    arrays, treedef = jax.tree.flatten(blocks)
-    return ResidentData(arrays, treedef, rows, jax.tree.leaves(tail), block_rows)
+__all__ = ["ResidentPass"]
 
 
 class ResidentPass:
@@ -223,12 +179,9 @@ class ResidentPass:
         in_order = np.array_equal(table.ravel(), np.arange(table.size))
         block_rows = self._resident.block_rows
         if block_rows is not None and not (in_order and size == block_rows):
-            raise RuntimeError(  # `resident_pass` chose blocks for an ordered pass.
-                f"keras_dist laid this dataset out for passes in order, in "
-                f"batches of {block_rows} rows; this pass reads batches of "
-                f"{size} rows{'' if in_order else ' out of order'}. Please "
-                "report it; pass `kd.InputOptions(device_resident=False)` "
-                "meanwhile."
+            order = "" if in_order else " out of order"
+            raise _not_blocks(
+                block_rows, f"this pass reads batches of {size} rows{order}"
             )
         if in_order:
             self._step_rows = size  # In order: batch k is rows k * size ...
@@ -241,11 +194,8 @@ class ResidentPass:
         if block_rows is not None:  # Rows after the blocks: the tail's.
             first = len(self._resident.arrays[0]) * block_rows
             if size and indices.min() < first:
-                raise RuntimeError(
-                    f"keras_dist laid this dataset out as blocks of {block_rows} "
-                    f"rows; a batch of {size} rows reads rows before row "
-                    f"{first}, which are not in its tail. Please report it; "
-                    "pass `kd.InputOptions(device_resident=False)` meanwhile."
+                raise _not_blocks(
+                    block_rows, f"a batch of {size} rows reads rows before row {first}"
                 )
             indices = indices - first
         padded = round_up(size, self._replicas)
@@ -288,6 +238,15 @@ class ResidentPass:
 
     def close(self) -> None:
         """Nothing to stop (no thread); as `InputPass.close`."""
+
+
+def _not_blocks(block_rows: int, what: str) -> RuntimeError:
+    """A pass that blocks laid out for passes in order cannot serve (a bug)."""
+    return RuntimeError(
+        "keras_dist laid this dataset out for passes in its order, as blocks "
+        f"of {block_rows} rows, but {what}. Please report it; pass "
+        "`kd.InputOptions(device_resident=False)` meanwhile."
+    )
 
 
 def _group_form(batch: ResidentBatch) -> tuple:

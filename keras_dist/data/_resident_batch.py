@@ -50,7 +50,7 @@ class ResidentBatch:
         step_rows: for a batch of a pass in order (no `indices`): the rows
             of a batch, so the batch is rows `row * step_rows ...`.
         blocked: with `step_rows`, `arrays` are blocks of batches
-            (`Placement.place_blocks`): the batch is block `row`.
+            (`ResidentPlacement.place_blocks`): the batch is block `row`.
     """
 
     def __init__(

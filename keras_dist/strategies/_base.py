@@ -15,6 +15,7 @@ from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
 from keras_dist.strategies._pacing import Pacer
 from keras_dist.strategies._placement import Placement
+from keras_dist.strategies._resident_placement import ResidentPlacement
 from keras_dist.strategies._state_layout import StateLayout
 from keras_dist.strategies._values import ReduceOp
 
@@ -24,7 +25,9 @@ strategy_of_model = _ownership.strategy_of_model
 strategy_of_variable = _ownership.strategy_of_variable
 
 
-class Strategy(StateLayout, Placement, keras.distribution.DataParallel):
+class Strategy(
+    StateLayout, Placement, ResidentPlacement, keras.distribution.DataParallel
+):
     """Base class of keras_dist strategies: a data-parallel Keras distribution.
 
     A strategy owns a 1-D `jax.sharding.Mesh` with the axis `"batch"`. Inside

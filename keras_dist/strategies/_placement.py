@@ -8,7 +8,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _auto_shard, _sparse
-from keras_dist.strategies._take_rows import take_block, take_rows, take_step
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -26,7 +25,7 @@ class Placement:
 
     A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
     `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`,
-    `_laid_out_batches`, `_step_numbers`, `_step_ranges`.
+    `_laid_out_batches`. Device-resident datasets: `_resident_placement`.
     """
 
     # Placement helpers ------------------------------------------------------
@@ -171,115 +170,10 @@ class Placement:
         placed = [_place(a, self._steps_sharding(a.ndim)) for a in arrays]
         return jax.tree.unflatten(treedef, placed)
 
-    def step_numbers(self, count: int) -> list[jax.Array]:
-        """The int32 scalars `0 ... count - 1`, replicated over the mesh.
-
-        Made once each and kept: a device-resident pass names each step's
-        row of its index table with one, so that the step transfers nothing.
-        """
-        numbers = self._step_numbers
-        while len(numbers) < count:
-            numbers.append(jax.device_put(np.int32(len(numbers)), self._replicated))
-        return numbers
-
-    def step_range(self, start: int, count: int) -> jax.Array:
-        """The int32 vector `start ... start + count - 1`, replicated; kept.
-
-        A fused group of a device-resident pass names its N steps with one
-        (rows of the pass's index table, or blocks of rows of a pass in
-        order): one argument for N steps, not N scalars.
-        """
-        numbers = self._step_ranges.get((start, count))
-        if numbers is None:
-            numbers = jax.device_put(
-                np.arange(start, start + count, dtype=np.int32), self._replicated
-            )
-            self._step_ranges[start, count] = numbers
-        return numbers
-
     def _steps_sharding(self, ndim: int) -> NamedSharding:
         return NamedSharding(
             self.mesh, PartitionSpec(None, BATCH_AXIS, *([None] * (ndim - 2)))
         )
-
-    def place_dataset(self, data: Any) -> Any:
-        """Copies a whole dataset (a pytree of host arrays) to every device.
-
-        For `take_rows`; one process only.
-        """
-        return jax.tree.map(lambda leaf: self._replicate(_as_array(leaf)), data)
-
-    def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
-        """Lays a dataset read in its order out as blocks split over the replicas.
-
-        For a pass in the dataset's own order, batches of `batch_rows` rows
-        (a multiple of `num_replicas_in_sync`): its full batches become one
-        array `(steps, batch_rows, ...)` per leaf, split along the batch
-        axis, so each device holds only its rows of every batch (not a copy
-        of the dataset) and `take_rows(blocks, step, blocked=True)` takes a
-        batch with no communication. One process only.
-
-        Returns:
-            `(blocks, tail)`: pytrees like `data`, the full batches as
-            blocks, and the rows after them (fewer than `batch_rows`: a
-            partial last batch) copied to every device, for `take_rows`.
-        """
-        if batch_rows % self.num_replicas_in_sync:
-            raise ValueError(
-                "`place_blocks` splits each batch over the replicas. Received "
-                f"batch_rows={batch_rows} for {self.num_replicas_in_sync} "
-                "replicas; pass a multiple of the replica count."
-            )
-
-        def blocks(leaf):
-            leaf = _as_array(leaf)
-            steps = leaf.shape[0] // batch_rows
-            full = leaf[: steps * batch_rows].reshape(
-                steps, batch_rows, *leaf.shape[1:]
-            )
-            return _place(full, self._steps_sharding(full.ndim))
-
-        def tail(leaf):
-            leaf = _as_array(leaf)
-            return self._replicate(leaf[leaf.shape[0] // batch_rows * batch_rows :])
-
-        return jax.tree.map(blocks, data), jax.tree.map(tail, data)
-
-    def take_rows(
-        self,
-        dataset: list,
-        indices,
-        *,
-        step_rows: int | None = None,
-        blocked: bool = False,
-    ):
-        """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
-
-        Args:
-            dataset: arrays `place_dataset` placed (or, with `blocked`,
-                arrays of blocks `place_blocks` placed).
-            indices: int32 row indices laid out by `shard` (a multiple of
-                `num_replicas_in_sync`); -1 gives a row of zeros (padding).
-                With `step_rows`: a replicated int32 step number `s`, for
-                the rows `s * step_rows ... (s + 1) * step_rows - 1` (batch
-                `s` of a pass in the dataset's order), sliced, not gathered.
-                Inside a compiled step: traced values.
-            step_rows: the rows of a batch, for a step number `indices`.
-            blocked: `dataset` is blocks (`place_blocks`) and `indices` a
-                step number: that block, taken on each device.
-
-        Returns:
-            The global batches, laid out as `shard` lays out a batch.
-        """
-        if blocked:
-            placed = take_block(self.mesh, dataset, indices)
-        elif step_rows is None:
-            placed = take_rows(self.mesh, dataset, indices)
-        else:
-            placed = take_step(self.mesh, dataset, indices, step_rows)
-        if self._shards_state() and not isinstance(placed[0], jax.core.Tracer):
-            self._remember_batches(placed)
-        return placed
 
     def distribute_dataset(self, dataset):
         """Keras's hook for tf.data inputs of fit/evaluate/predict.

@@ -12,7 +12,7 @@ a step shuffled, gathering, as in order (BS/B, `benchmarks/README.md`).
 A dataset read only in its own order (`evaluate`, `predict`, the validation
 data, `fit(shuffle=False)`) is not copied to every device: its full batches
 are laid out as blocks `(steps, batch, ...)` split over the replicas along
-the batch axis (`Placement.place_blocks`), each device holding only its rows
+the batch axis (`ResidentPlacement.place_blocks`), each device holding only its rows
 of every batch — 1/replicas of the dataset — and `take_block` indexes the
 step's block on each device, with no communication either. (A pass of a
 copied dataset that happens to be in order — one batch — is sliced by
@@ -95,7 +95,7 @@ def take_block(mesh: Mesh, blocks: Sequence[jax.Array], step) -> list:
     Args:
         mesh: the 1-D mesh (axis `"batch"`).
         blocks: arrays `(steps, batch, ...)` split over `mesh` along their
-            second axis (`Placement.place_blocks`).
+            second axis (`ResidentPlacement.place_blocks`).
         step: an int32 scalar, replicated (inside a step: traced).
     """
     return _block_taker(mesh)(list(blocks), step)

@@ -16,7 +16,8 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.data import _call
-from keras_dist.data._resident import ResidentPass, lay_out_resident
+from keras_dist.data._resident import ResidentPass
+from keras_dist.data._resident_data import lay_out_resident
 from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import (
     InterruptAt,
