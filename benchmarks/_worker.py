@@ -8,7 +8,7 @@ CONFIG is one of
     B32  B compiled with steps_per_execution=32
     BS   B with shuffle=True: each step gathers its rows of the device-resident
          data (every other configuration reads the data in order, which
-         keras_dist slices as blocks of rows)
+         keras_dist lays out as blocks split over the devices)
     C    Keras 3's keras.distribution.DataParallel on the same devices, used
          as Keras documents it: model built, compiled and fit inside
          `with distribution.scope():`

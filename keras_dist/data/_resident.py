@@ -49,8 +49,8 @@ class ResidentPass:
     batch is asked for, and lays the full ones out at once, as one table
     (`Strategy.shard_steps`); each step then names its row with a number
     already on the devices (`Strategy.step_numbers`) and transfers nothing.
-    When those batches are the dataset's rows in order, there is no table:
-    the number names the step's block of rows, sliced on the devices.
+    Over a dataset laid out as blocks (read only in its order), there is
+    no table: the number names the step's block, taken on each device.
     Without it (Keras draws a batch's order when the batch is read:
     `shuffle="batch"`), each step transfers its own indices.
 
@@ -81,7 +81,6 @@ class ResidentPass:
         self._position = 0  # Batches taken so far.
         self._table: Any = None  # The full batches' indices, laid out at once.
         self._table_steps = 0
-        self._step_rows: int | None = None  # Batch size of a pass in order.
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
         # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
@@ -165,8 +164,9 @@ class ResidentPass:
     def _lay_out_table(self) -> None:
         """Reads the whole pass; lays its leading full batches out as one table.
 
-        Unless they are the dataset's rows in order (`shuffle=False`,
-        `evaluate`, `predict`): then a step number names a block of rows.
+        Unless the dataset is laid out as blocks (read only in its order:
+        `shuffle=False`, `evaluate`, `predict`): then a step number names
+        its block, and the pass must be those blocks, in order.
         """
         batches = list(self._indices)
         self._indices = iter(batches)
@@ -176,17 +176,16 @@ class ResidentPass:
         steps = next((i for i, b in enumerate(batches) if len(b) != size), len(batches))
         table = np.stack(batches[:steps])
         self._table_steps = steps
-        in_order = np.array_equal(table.ravel(), np.arange(table.size))
         block_rows = self._resident.block_rows
-        if block_rows is not None and not (in_order and size == block_rows):
+        if block_rows is None:
+            self._table = self._strategy.shard_steps(table)
+            return
+        in_order = np.array_equal(table.ravel(), np.arange(table.size))
+        if not (in_order and size == block_rows):
             order = "" if in_order else " out of order"
             raise _not_blocks(
                 block_rows, f"this pass reads batches of {size} rows{order}"
             )
-        if in_order:
-            self._step_rows = size  # In order: batch k is rows k * size ...
-        else:
-            self._table = self._strategy.shard_steps(table)
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
@@ -218,7 +217,6 @@ class ResidentPass:
             num_real,
             self._strategy.take_rows,
             row,
-            None if row is None else self._step_rows,
             blocked and row is not None,
         )
 

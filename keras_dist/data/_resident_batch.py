@@ -9,12 +9,10 @@ no program next to the step's own — and without `jit` it runs eagerly.
 
 The indices come either as the step's own vector, or as one row of a table
 of a whole pass's indices laid out once (`row`: a step number already on the
-devices; `_resident.ResidentPass`), so that a step transfers nothing. A pass
-in the dataset's own order needs no table: its batch `row` is the block of
-rows `row * step_rows ...`, sliced rather than gathered — or, for a dataset
-only ever read in order, laid out as blocks split over the replicas
-(`blocked`: each device holds its rows of each batch, not the dataset), the
-`row`-th block.
+devices; `_resident.ResidentPass`), so that a step transfers nothing. A
+dataset only ever read in its order needs no table: it is laid out as
+blocks of batches split over the replicas (`blocked`: each device holds its
+rows of each batch, not the dataset), and the batch is block `row`.
 
 For JAX a `ResidentBatch` is a pytree of the arrays, the indices and the row
 (the structure and the real-row count are static). Keras's own tree utilities
@@ -41,15 +39,13 @@ class ResidentBatch:
         arrays: the dataset's arrays on every device (flattened).
         indices: int32 row indices laid out over the replicas (-1: padding),
             or, with `row`, a table of them: `(steps, rows)`, split over the
-            replicas along its second axis; None with `step_rows`.
+            replicas along its second axis; None when `blocked`.
         treedef: the structure of a batch (`arrays` unflattened).
         num_real: the real rows of a padded batch, or None.
         take: `strategy.take_rows`, to gather outside a step.
         row: the int32 scalar (replicated) that picks this step's row of the
             table `indices`, or its batch of a pass in order; or None.
-        step_rows: for a batch of a pass in order (no `indices`): the rows
-            of a batch, so the batch is rows `row * step_rows ...`.
-        blocked: with `step_rows`, `arrays` are blocks of batches
+        blocked: `arrays` are blocks of batches
             (`ResidentPlacement.place_blocks`): the batch is block `row`.
     """
 
@@ -61,7 +57,6 @@ class ResidentBatch:
         num_real,
         take=None,
         row=None,
-        step_rows=None,
         blocked=False,
     ):
         self.arrays = tuple(arrays)
@@ -70,15 +65,12 @@ class ResidentBatch:
         self.num_real = num_real
         self.take = take
         self.row = row
-        self.step_rows = step_rows
         self.blocked = blocked
 
     def gather(self, take: Callable) -> Any:
         """The batch (a `PaddedBatch` when padded), gathered with `take`."""
         if self.blocked:  # A dataset read only in order: block `row`.
             rows = take(list(self.arrays), self.row, blocked=True)
-        elif self.step_rows is not None:  # A pass in order: a block of rows.
-            rows = take(list(self.arrays), self.row, step_rows=self.step_rows)
         else:
             indices = self.indices if self.row is None else self.indices[self.row]
             rows = take(list(self.arrays), indices)
@@ -90,7 +82,7 @@ class ResidentBatch:
 jax.tree_util.register_dataclass(
     ResidentBatch,
     data_fields=["arrays", "indices", "row"],
-    meta_fields=["treedef", "num_real", "step_rows", "blocked"],
+    meta_fields=["treedef", "num_real", "blocked"],
 )
 
 

@@ -57,17 +57,9 @@ class InputTarget(Protocol):
     def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
         """A dataset read in order as blocks split over the replicas, and its tail."""
 
-    def take_rows(
-        self,
-        dataset: list,
-        indices: Any,
-        *,
-        step_rows: int | None = None,
-        blocked: bool = False,
-    ) -> list:
+    def take_rows(self, dataset: list, indices: Any, *, blocked: bool = False) -> list:
         """Rows `indices` of a placed dataset, gathered on the devices.
 
-        With `step_rows`, `indices` is a step number: that batch of a pass
-        in the dataset's order, sliced. With `blocked`, the dataset is
-        `place_blocks`'s blocks and `indices` a step number: that block.
+        With `blocked`, the dataset is `place_blocks`'s blocks and `indices`
+        a step number: that block.
         """

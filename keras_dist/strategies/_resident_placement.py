@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from keras_dist.strategies._placement import _as_array, _place
-from keras_dist.strategies._take_rows import take_block, take_rows, take_step
+from keras_dist.strategies._take_rows import take_block, take_rows
 
 __all__ = ["ResidentPlacement"]
 
@@ -93,14 +93,7 @@ class ResidentPlacement:
 
         return jax.tree.map(blocks, data), jax.tree.map(tail, data)
 
-    def take_rows(
-        self,
-        dataset: list,
-        indices,
-        *,
-        step_rows: int | None = None,
-        blocked: bool = False,
-    ):
+    def take_rows(self, dataset: list, indices, *, blocked: bool = False):
         """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
 
         Args:
@@ -108,11 +101,8 @@ class ResidentPlacement:
                 arrays of blocks `place_blocks` placed).
             indices: int32 row indices laid out by `shard` (a multiple of
                 `num_replicas_in_sync`); -1 gives a row of zeros (padding).
-                With `step_rows`: a replicated int32 step number `s`, for
-                the rows `s * step_rows ... (s + 1) * step_rows - 1` (batch
-                `s` of a pass in the dataset's order), sliced, not gathered.
-                Inside a compiled step: traced values.
-            step_rows: the rows of a batch, for a step number `indices`.
+                With `blocked`: a replicated int32 step number. Inside a
+                compiled step: traced values.
             blocked: `dataset` is blocks (`place_blocks`) and `indices` a
                 step number: that block, taken on each device.
 
@@ -121,10 +111,8 @@ class ResidentPlacement:
         """
         if blocked:
             placed = take_block(self.mesh, dataset, indices)
-        elif step_rows is None:
-            placed = take_rows(self.mesh, dataset, indices)
         else:
-            placed = take_step(self.mesh, dataset, indices, step_rows)
+            placed = take_rows(self.mesh, dataset, indices)
         if self._shards_state() and not isinstance(placed[0], jax.core.Tracer):
             self._remember_batches(placed)
         return placed

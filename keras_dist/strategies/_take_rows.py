@@ -14,9 +14,7 @@ data, `fit(shuffle=False)`) is not copied to every device: its full batches
 are laid out as blocks `(steps, batch, ...)` split over the replicas along
 the batch axis (`ResidentPlacement.place_blocks`), each device holding only its rows
 of every batch — 1/replicas of the dataset — and `take_block` indexes the
-step's block on each device, with no communication either. (A pass of a
-copied dataset that happens to be in order — one batch — is sliced by
-`take_step` rather than gathered.)
+step's block on each device, with no communication either.
 
 The gather has no collective on purpose: on a CPU with virtual devices, a
 second program with a collective in flight next to the step's all-reduce was
@@ -31,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["take_block", "take_rows", "take_step"]
+__all__ = ["take_block", "take_rows"]
 
 _AXIS = "batch"
 
@@ -53,37 +51,6 @@ def _taker(mesh: Mesh) -> Callable:
         _take_local,
         mesh=mesh,
         in_specs=(PartitionSpec(), PartitionSpec(_AXIS)),
-        out_specs=PartitionSpec(_AXIS),
-    )
-    return jax.jit(mapped)
-
-
-def take_step(mesh: Mesh, dataset: Sequence[jax.Array], step, rows: int) -> list:
-    """Rows `step * rows ... (step + 1) * rows - 1` of each array, split over `mesh`.
-
-    Batch `step` of a pass over `dataset` in its order, `rows` rows a batch.
-
-    Args:
-        mesh: the 1-D mesh (axis `"batch"`).
-        dataset: arrays replicated on every device of `mesh`.
-        step: an int32 scalar, replicated (inside a step: traced).
-        rows: the rows of a batch, a multiple of the mesh size.
-    """
-    return _step_taker(mesh, rows)(list(dataset), step)
-
-
-@functools.cache
-def _step_taker(mesh: Mesh, rows: int) -> Callable:
-    local = rows // mesh.shape[_AXIS]
-
-    def take_local(dataset: list, step) -> list:
-        first = step * rows + jax.lax.axis_index(_AXIS) * local
-        return [jax.lax.dynamic_slice_in_dim(a, first, local) for a in dataset]
-
-    mapped = jax.shard_map(
-        take_local,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), PartitionSpec()),
         out_specs=PartitionSpec(_AXIS),
     )
     return jax.jit(mapped)

@@ -4,7 +4,7 @@ With `kd.InputOptions(device_resident=True)` each step's batch is gathered on
 the devices from Keras's row indices; the numbers must be those of the host
 path (`device_resident=False`) and of plain Keras, for every shuffle mode,
 partial batches (37 rows, 8 replicas: batch 8, whose full batches are laid
-out as one table a pass, or, in the dataset's order, sliced by step number;
+out as one table a pass, or, read in order, as blocks over the replicas;
 and batch 10, every batch padded), sample weights, validation_split,
 steps_per_execution, eager steps and a resumed fit.
 """
@@ -156,37 +156,13 @@ def test_a_pass_lays_out_its_indices_once(shuffle, want):
     assert len(strategy._step_numbers) == (0 if shuffle == "batch" else 4)
 
 
-def _numbered_rows(rows):
-    """Two arrays whose values name their rows: features and labels."""
-    return [
-        np.arange(rows * 3, dtype=np.float32).reshape(rows, 3),
-        np.arange(rows, dtype=np.int32) * 10,
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(devices):
+    strategy = mirrored(devices)
+    data = [
+        np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
+        np.arange(70, dtype=np.int32) * 10,
     ]
-
-
-@pytest.mark.parametrize("devices", [1, 2, 8])
-def test_a_batch_in_order_is_sliced_as_its_indices_would_gather(devices):
-    strategy = mirrored(devices)
-    data = _numbered_rows(64)
-    placed = strategy.place_dataset(data)
-    step = strategy.step_numbers(3)[2]  # Batch 2 of 16 rows: rows 32-47.
-    sliced = strategy.take_rows(placed, step, step_rows=16)
-    gathered = strategy.take_rows(placed, strategy.shard(np.arange(32, 48)))
-    for got, want, rows in zip(sliced, gathered, data, strict=True):
-        np.testing.assert_array_equal(got, rows[32:48])
-        np.testing.assert_array_equal(got, want)
-        assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
-    # Sliced on the devices: no gather in the program.
-    by_block = jax.make_jaxpr(lambda s: strategy.take_rows(placed, s, step_rows=16))
-    by_index = jax.make_jaxpr(lambda i: strategy.take_rows(placed, i))
-    assert not has_primitive(by_block(step).jaxpr, "gather")
-    assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
-
-
-@pytest.mark.parametrize("devices", [1, 2, 8])
-def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_a_slice(devices):
-    strategy = mirrored(devices)
-    data = _numbered_rows(70)
     blocks, tail = strategy.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
     for block, rows in zip(blocks, data, strict=True):
         assert block.shape == (4, 16, *rows.shape[1:])
@@ -198,14 +174,18 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_a_slice(devices):
     step = strategy.step_numbers(3)[2]  # Batch 2: rows 32-47.
     taken = strategy.take_rows(blocks, step, blocked=True)
     placed = strategy.place_dataset(data)
-    sliced = strategy.take_rows(placed, step, step_rows=16)
-    for got, want, rows in zip(taken, sliced, data, strict=True):
+    gathered = strategy.take_rows(placed, strategy.shard(np.arange(32, 48)))
+    for got, want, rows in zip(taken, gathered, data, strict=True):
         np.testing.assert_array_equal(got, rows[32:48])
+        np.testing.assert_array_equal(got, want)
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
-    # Each device indexes its own block: no gather, no collective.
+    # Each device indexes its own block: no gather, no collective (indices:
+    # a gather).
     jaxpr = jax.make_jaxpr(lambda s: strategy.take_rows(blocks, s, blocked=True))
     for primitive in ("gather", "all_gather", "psum", "all_to_all", "ppermute"):
         assert not has_primitive(jaxpr(step).jaxpr, primitive)
+    by_index = jax.make_jaxpr(lambda i: strategy.take_rows(placed, i))
+    assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
     with pytest.raises(ValueError, match="batch_rows=12 for 8 replicas"):
         mirrored(8).place_blocks(data, 12)
 
