@@ -50,7 +50,12 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
         found = (
             adapter,
-            lay_out_resident(strategy, rows, block_rows=_blocks(adapter, strategy)),
+            lay_out_resident(
+                strategy,
+                rows,
+                block_rows=_blocks(adapter, strategy),
+                split_rows=_split(adapter, strategy),
+            ),
         )
         cache[id(adapter)] = found
     # Keras draws a `shuffle="batch"` order as it reads each batch.
@@ -80,6 +85,23 @@ def _blocks(adapter: Any, strategy: InputTarget) -> int | None:
     ):
         return None
     return size
+
+
+def _split(adapter: Any, strategy: InputTarget) -> bool:
+    """Whether the data is split over the replicas by rows: what `fit` shuffles.
+
+    Each pass (epoch) then lays its batches out from the rows once
+    (`Strategy.exchange_rows`), each device holding 1/replicas of the data.
+    Keras draws a `shuffle="batch"` order as it reads each batch, with no
+    pass to lay out ahead: that data is copied to every device.
+    """
+    size = adapter._batch_size
+    return (
+        bool(adapter._shuffle)
+        and adapter._shuffle != "batch"
+        and bool(size)
+        and size % strategy.num_replicas_in_sync == 0
+    )
 
 
 def _is_dense(leaf: Any) -> bool:

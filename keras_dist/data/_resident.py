@@ -17,6 +17,13 @@ full batches are laid out as blocks split over the replicas
 step takes its block; the rows of a partial last batch, fewer than a batch,
 are copied to every device and gathered as above.
 
+A dataset `fit` shuffles (`shuffle=True`) is not copied either: its rows are
+split over the replicas (`Strategy.place_rows`), and at its first batch a
+pass (an epoch) lays all its batches out from them at once, in its order, as
+blocks (`Strategy.exchange_rows`: one program, each row moved once); each
+step then takes its block, as in order. Only a `shuffle="batch"` dataset,
+whose order Keras draws batch by batch, is copied to every device.
+
 The indices are the ones Keras's own batching gives for the same call (the
 same shuffle, the same NumPy random draws at the same moments; computed by
 the seam that reads Keras's adapter), so the batches are, row for row, those
@@ -50,7 +57,9 @@ class ResidentPass:
     (`Strategy.shard_steps`); each step then names its row with a number
     already on the devices (`Strategy.step_numbers`) and transfers nothing.
     Over a dataset laid out as blocks (read only in its order), there is
-    no table: the number names the step's block, taken on each device.
+    no table: the number names the step's block, taken on each device. Over
+    a dataset split by rows (shuffled), the pass lays its batches out as
+    blocks first, from the rows (`Strategy.exchange_rows`).
     Without it (Keras draws a batch's order when the batch is read:
     `shuffle="batch"`), each step transfers its own indices.
 
@@ -72,6 +81,13 @@ class ResidentPass:
         call: CallState | None,
         read_ahead: bool = False,
     ):
+        split = resident.replica_rows is not None
+        if split and not read_ahead:
+            raise RuntimeError(
+                "keras_dist split this dataset over the replicas by rows, which "
+                "needs each pass read ahead. Please report it; pass "
+                "`kd.InputOptions(device_resident=False)` meanwhile."
+            )
         self._strategy = strategy
         self._resident = resident
         self._indices = (_as_indices(i, resident.rows) for i in index_batches)
@@ -81,6 +97,13 @@ class ResidentPass:
         self._position = 0  # Batches taken so far.
         self._table: Any = None  # The full batches' indices, laid out at once.
         self._table_steps = 0
+        # What a step number names: rows of `_table` in `_table_arrays` (a
+        # copy), or blocks of `_table_arrays` (`blocked`).
+        self._blocked = resident.block_rows is not None or split
+        self._table_arrays = resident.arrays
+        # A split dataset's batches after the table's, laid out with it:
+        # (blocks of one batch, real rows or None).
+        self._rest: list | None = None
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
         # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
@@ -113,8 +136,32 @@ class ResidentPass:
         """
         if position < self._table_steps:
             number = self._strategy.step_numbers(position + 1)[position]
-            return self._batch(self._table, None, number)
+            return self._from_table(number)
+        if self._rest is not None:  # Laid out with the table (split rows).
+            blocks, num_real = self._rest[position - self._table_steps]
+            first = self._strategy.step_numbers(1)[0]
+            return ResidentBatch(
+                blocks,
+                None,
+                self._resident.treedef,
+                num_real,
+                self._strategy.take_rows,
+                first,
+                True,
+            )
         return self._lay_out(indices)
+
+    def _from_table(self, number: Any) -> ResidentBatch:
+        """The batch a step number names: a row of the table, or a block."""
+        return ResidentBatch(
+            self._table_arrays,
+            self._table,
+            self._resident.treedef,
+            None,
+            self._strategy.take_rows,
+            number,
+            self._blocked,
+        )
 
     def next_group(self, count: int) -> BatchGroup | list:
         """The next `count` batches, for one program (`steps_per_execution`).
@@ -135,11 +182,11 @@ class ResidentPass:
         if len(group) == count and position + count <= self._table_steps:
             # Rows of the pass's table: one vector of step numbers, kept.
             if self._table_form is None:
-                self._table_form = _group_form(self._batch(self._table, None, 0))
+                self._table_form = _group_form(self._from_table(0))
             self._record(start, size, count)
             rows = self._strategy.step_range(position, count)
             return BatchGroup(*self._table_form, (rows,))
-        uneven = size % self._replicas or self._resident.block_rows is not None
+        uneven = size % self._replicas or self._blocked
         if len(group) < count or uneven or any(len(i) != size for i in group):
             batches = [
                 self._at(position + i, indices) for i, indices in enumerate(group)
@@ -170,6 +217,9 @@ class ResidentPass:
         """
         batches = list(self._indices)
         self._indices = iter(batches)
+        if self._resident.replica_rows is not None:
+            self._exchange(batches)
+            return
         size = len(batches[0]) if batches else 0
         if not size or size % self._replicas:
             return  # Every batch padded: laid out one by one.
@@ -186,6 +236,37 @@ class ResidentPass:
             raise _not_blocks(
                 block_rows, f"this pass reads batches of {size} rows{order}"
             )
+
+    def _exchange(self, batches: list[np.ndarray]) -> None:
+        """Lays every batch of the pass out from the split rows, at once.
+
+        The leading full batches as the table's blocks, each one after them
+        (a partial last batch, padded with -1) as a block of its own.
+        """
+        replicas = self._replicas
+        size = len(batches[0]) if batches else 0
+        steps = 0
+        if size and size % replicas == 0:
+            steps = next(
+                (i for i, b in enumerate(batches) if len(b) != size), len(batches)
+            )
+        groups = [np.stack(batches[:steps])] if steps else []
+        real = []
+        for indices in batches[steps:]:
+            padded = round_up(len(indices), replicas)
+            pad = np.full(padded - len(indices), -1, np.int32)
+            groups.append(np.concatenate([indices, pad])[None])
+            real.append(len(indices) if padded != len(indices) else None)
+        if not groups:
+            return
+        resident = self._resident
+        laid = self._strategy.exchange_rows(
+            resident.arrays, resident.replica_rows, groups
+        )
+        if steps:
+            self._table_arrays, laid = laid[0], laid[1:]
+            self._table_steps = steps
+        self._rest = list(zip(laid, real, strict=True))
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
@@ -204,20 +285,12 @@ class ResidentPass:
             self._strategy.shard(indices), size if padded != size else None
         )
 
-    def _batch(
-        self, indices: Any, num_real: int | None, row: Any = None
-    ) -> ResidentBatch:
+    def _batch(self, indices: Any, num_real: int | None) -> ResidentBatch:
+        """A batch gathered by its `indices`: from the copy, or the blocks' tail."""
         resident = self._resident
-        blocked = resident.block_rows is not None
-        arrays = resident.tail if blocked and row is None else resident.arrays
+        arrays = resident.tail if resident.block_rows is not None else resident.arrays
         return ResidentBatch(
-            arrays,
-            indices,
-            resident.treedef,
-            num_real,
-            self._strategy.take_rows,
-            row,
-            blocked and row is not None,
+            arrays, indices, resident.treedef, num_real, self._strategy.take_rows
         )
 
     def _record(self, start: float, size: int, batches: int) -> None:

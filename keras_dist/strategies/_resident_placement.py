@@ -10,8 +10,10 @@ batches (`place_blocks`), the kept step numbers that name a step's batch
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from keras_dist.strategies._exchange import exchange, plan_exchange
 from keras_dist.strategies._placement import _as_array, _place
 from keras_dist.strategies._take_rows import take_block, take_rows
 
@@ -92,6 +94,60 @@ class ResidentPlacement:
             return self._replicate(leaf[leaf.shape[0] // batch_rows * batch_rows :])
 
         return jax.tree.map(blocks, data), jax.tree.map(tail, data)
+
+    def place_rows(self, data: Any) -> tuple[Any, int]:
+        """Splits a dataset (a pytree of host arrays) over the replicas by rows.
+
+        For a dataset `fit` shuffles: each pass lays its batches out from it
+        with `exchange_rows`. Replica `r` holds rows `r * n ... (r + 1) * n
+        - 1` (the last padded with zero rows). One process only.
+
+        Returns:
+            `(rows, n)`: a pytree like `data` of arrays split over the mesh
+            along their first axis, and the rows `n` each replica holds.
+        """
+        replicas = self.num_replicas_in_sync
+        count = max((np.shape(leaf)[0] for leaf in jax.tree.leaves(data)), default=0)
+        n = max(1, -(-count // replicas))
+
+        def split(leaf):
+            leaf = _as_array(leaf)
+            pad = n * replicas - leaf.shape[0]
+            if pad:
+                xp = np if isinstance(leaf, np.ndarray) else jnp
+                zeros = xp.zeros((pad, *leaf.shape[1:]), leaf.dtype)
+                leaf = xp.concatenate([leaf, zeros])
+            return _place(leaf, self._data_sharding(leaf.ndim))
+
+        return jax.tree.map(split, data), n
+
+    def exchange_rows(
+        self, rows: list, replica_rows: int, batches: list[np.ndarray]
+    ) -> list[list[jax.Array]]:
+        """Lays out groups of batches of rows `place_rows` split, as blocks.
+
+        One program (`_exchange.py`): each row moves once, with one
+        `all_to_all`.
+
+        Args:
+            rows: the arrays `place_rows` placed (flattened).
+            replica_rows: the rows each replica holds (`place_rows`).
+            batches: groups of batches, each an int32 array `(count,
+                batch_rows)` of row indices (-1: padding; `batch_rows` a
+                multiple of `num_replicas_in_sync`).
+
+        Returns:
+            Per group, per array of `rows`: its batches as blocks `(count,
+            batch_rows, ...)`, as `place_blocks` lays them out (for
+            `take_rows(..., blocked=True)`).
+        """
+        plan = plan_exchange(batches, replica_rows, self.num_replicas_in_sync)
+        sharding = self._data_sharding
+        send = _place(plan.send, sharding(3))
+        receive = _place(plan.receive, sharding(2))
+        groups = exchange(self.mesh, rows, send, receive, plan.segments)
+        self._pacer.after(groups)
+        return groups
 
     def take_rows(self, dataset: list, indices, *, blocked: bool = False):
         """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.

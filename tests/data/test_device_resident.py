@@ -18,6 +18,7 @@ import keras_dist as kd
 from keras_dist.data import _call
 from keras_dist.data._resident import ResidentPass
 from keras_dist.data._resident_data import lay_out_resident
+from keras_dist.strategies._exchange import plan_exchange
 from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import (
     InterruptAt,
@@ -117,10 +118,13 @@ def test_resident_equals_host_path_and_keras(shuffle, batch_size):
 
 
 class _Transfers:
-    """Counts a strategy's index transfers: one batch (`shard`) or many."""
+    """Counts a strategy's index transfers: one batch (`shard`) or many.
+
+    And its pass layouts from rows split over the replicas (`exchange_rows`).
+    """
 
     def __init__(self, strategy):
-        self.counts = {"shard": 0, "shard_steps": 0}
+        self.counts = {"shard": 0, "shard_steps": 0, "exchange_rows": 0}
         for name in self.counts:
             setattr(strategy, name, self._counting(name, getattr(strategy, name)))
 
@@ -135,14 +139,15 @@ class _Transfers:
 @pytest.mark.parametrize(
     "shuffle, want",
     [
-        # A pass: its full batches in one table; the partial batch alone.
-        # (Before the first epoch, Keras reads one batch of a pass of its
-        # own to build the model's metrics: one more table.)
-        (True, {"shard": 3, "shard_steps": 4}),
+        # Shuffled: a pass lays all its batches out from the split rows at
+        # once, no indices to transfer. (Before the first epoch, Keras reads
+        # one batch of a pass of its own to build the model's metrics: one
+        # more pass.)
+        (True, {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
         # In the dataset's order: no table; a step number names a block.
-        (False, {"shard": 3, "shard_steps": 0}),
+        (False, {"shard": 3, "shard_steps": 0, "exchange_rows": 0}),
         # Keras draws each batch's order as it reads it: one by one.
-        ("batch", {"shard": 16, "shard_steps": 0}),
+        ("batch", {"shard": 16, "shard_steps": 0, "exchange_rows": 0}),
     ],
 )
 def test_a_pass_lays_out_its_indices_once(shuffle, want):
@@ -190,12 +195,74 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
         mirrored(8).place_blocks(data, 12)
 
 
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
+    strategy = mirrored(devices)
+    data = [
+        np.arange(70 * 3, dtype=np.float32).reshape(70, 3) + 1,
+        np.arange(70, dtype=np.int32) * 10 + 1,
+    ]
+    split, replica_rows = strategy.place_rows(data)
+    assert replica_rows == -(-70 // devices)
+    for array, rows in zip(split, data, strict=True):  # Padded with zeros.
+        assert array.shape == (replica_rows * devices, *rows.shape[1:])
+        for shard in array.addressable_shards:
+            assert shard.data.shape[0] == replica_rows
+        np.testing.assert_array_equal(array[:70], rows)
+        assert not np.asarray(array[70:]).any()
+    order = np.random.RandomState(devices).permutation(70).astype(np.int32)
+    full = order[:64].reshape(4, 16)  # 4 batches of 16; then 6 rows, padded.
+    partial = np.concatenate([order[64:], np.full(2, -1, np.int32)])[None]
+    blocks, last = strategy.exchange_rows(split, replica_rows, [full, partial])
+    for block, rows in zip(blocks, data, strict=True):
+        np.testing.assert_array_equal(block, rows[full])
+        for shard in block.addressable_shards:  # Its rows of every batch.
+            assert shard.data.shape[:2] == (4, 16 // devices)
+    for block, rows in zip(last, data, strict=True):
+        np.testing.assert_array_equal(block[0, :6], rows[order[64:]])
+        assert not np.asarray(block[0, 6:]).any()  # Padding: zero rows.
+    # A step takes its block, laid out as `shard` lays out a batch.
+    step = strategy.step_numbers(3)[2]
+    taken = strategy.take_rows(blocks, step, blocked=True)
+    laid_out = strategy.shard(data[0][full[2]])
+    np.testing.assert_array_equal(taken[0], laid_out)
+    assert taken[0].sharding.is_equivalent_to(laid_out.sharding, 2)
+
+
+def test_the_passes_of_a_fit_share_one_exchange_program():
+    # The chunk a replica sends another is rounded up to a ladder: the
+    # shuffled passes of one dataset land on the same shapes (one compile).
+    rows, batch = 16384, 256
+    shapes = set()
+    for seed in range(20):
+        order = np.random.RandomState(seed).permutation(rows).astype(np.int32)
+        plan = plan_exchange([order.reshape(-1, batch)], rows // 8, 8)
+        shapes.add(plan.send.shape)
+        # Each replica receives exactly its rows of every batch, in order.
+        assert plan.receive.shape == (8, rows // 8)
+        assert sorted(np.unique(plan.receive // plan.send.shape[2])) == list(range(8))
+    assert len(shapes) == 1
+    chunk = shapes.pop()[2]
+    assert 256 <= chunk <= 1.25 * 256  # About rows / 64 a pair, not rows / 8.
+    # One replica holding every row a replica needs: a wider chunk, still exact.
+    lopsided = plan_exchange([np.arange(32, dtype=np.int32).reshape(2, 16)], 16, 2)
+    assert lopsided.send.shape == (2, 2, 16)
+
+
+def test_split_rows_need_a_pass_read_ahead():
+    strategy = mirrored(8)
+    data = lay_out_resident(strategy, (X, Y), split_rows=True)
+    with pytest.raises(RuntimeError, match="needs each pass read ahead"):
+        ResidentPass(strategy, data, iter([np.arange(8)]), call=None)
+
+
 class _Layouts:
-    """Records the datasets a strategy lays out: copied to every device or blocks."""
+    """Records the datasets a strategy lays out: copied, blocks or split rows."""
 
     def __init__(self, strategy):
-        self.copies, self.blocks = [], []
+        self.copies, self.blocks, self.splits = [], [], []
         place_dataset, place_blocks = strategy.place_dataset, strategy.place_blocks
+        place_rows = strategy.place_rows
 
         def copied(data):
             self.copies.append(place_dataset(data))
@@ -205,7 +272,12 @@ class _Layouts:
             self.blocks.append(place_blocks(data, batch_rows))
             return self.blocks[-1]
 
+        def split(data):
+            self.splits.append(place_rows(data))
+            return self.splits[-1]
+
         strategy.place_dataset, strategy.place_blocks = copied, blocked
+        strategy.place_rows = split
 
     def rows_on_first_device(self, placed) -> int:
         device = jax.devices()[0]
@@ -214,15 +286,19 @@ class _Layouts:
         return int(np.prod(data.shape[: leaf.ndim - X.ndim + 1]))
 
 
-def test_data_read_only_in_order_is_split_over_the_replicas_not_copied():
+def test_data_is_split_over_the_replicas_not_copied():
     strategy = mirrored(8)
     strategy.input_options = kd.InputOptions(device_resident=True)
     model = build_in_scope(strategy, WEIGHTS)
     layouts = _Layouts(strategy)
-    # Shuffled training data is copied; its validation split is read in order.
+    # Shuffled training data is split by rows; its validation split is read
+    # in order: blocks.
     model.fit(X, Y, batch_size=8, epochs=2, validation_split=0.2, verbose=0)
-    assert len(layouts.copies) == 1 and len(layouts.blocks) == 1
-    assert layouts.rows_on_first_device(layouts.copies[0]) == 29  # All of it.
+    assert layouts.copies == [] and len(layouts.splits) == 1
+    assert len(layouts.blocks) == 1
+    split, replica_rows = layouts.splits[0]
+    assert replica_rows == 4  # 29 rows over 8 replicas, padded to 32.
+    assert layouts.rows_on_first_device(split) == 4  # Not 29.
     validation_blocks, validation_tail = layouts.blocks[0]  # 8 rows: 1 batch.
     assert len(jax.tree.leaves(validation_blocks)[0]) == 1
     assert layouts.rows_on_first_device(validation_blocks) == 1  # Not 8.
@@ -235,6 +311,11 @@ def test_data_read_only_in_order_is_split_over_the_replicas_not_copied():
     for blocks, tail in layouts.blocks:  # 37 rows: 4 batches of 8, then 5.
         assert layouts.rows_on_first_device(blocks) == 4  # Not 37.
         np.testing.assert_array_equal(jax.tree.leaves(tail)[0], X[32:])
+    # Keras draws a `shuffle="batch"` order batch by batch: copied.
+    layouts.blocks.clear()
+    model.fit(X, Y, batch_size=8, epochs=1, shuffle="batch", verbose=0)
+    assert len(layouts.copies) == 1 and len(layouts.splits) == 1
+    assert layouts.rows_on_first_device(layouts.copies[0]) == 37
 
 
 def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
@@ -248,7 +329,7 @@ def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
     model.fit(X, Y, batch_size=8, epochs=3, shuffle=True, verbose=0)
     # 4 full batches a pass: groups at table rows 0-1 and 2-3, then the
     # partial batch alone. Each group's rows are one argument, made once.
-    assert transfers.counts == {"shard": 3, "shard_steps": 4}
+    assert transfers.counts == {"shard": 0, "shard_steps": 0, "exchange_rows": 4}
     ranges = strategy._step_ranges
     assert sorted(ranges) == [(0, 2), (2, 2)]
     np.testing.assert_array_equal(np.asarray(ranges[2, 2]), [2, 3])
@@ -256,7 +337,7 @@ def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
     assert ranges[2, 2].sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("shuffle", [True, False])  # Copied; blocks.
+@pytest.mark.parametrize("shuffle", [True, False, "batch"])  # Split; blocks; copied.
 def test_jax_array_inputs_equal_numpy_inputs(shuffle):
     def run(x, y):
         keras.utils.set_random_seed(3)
@@ -384,7 +465,7 @@ def _resumable_fit(model, *callbacks, shuffle=True):
     )
 
 
-@pytest.mark.parametrize("shuffle", [True, False])  # A table; blocks.
+@pytest.mark.parametrize("shuffle", [True, False])  # Split rows; blocks.
 def test_backup_and_restore_resumes_exactly(tmp_path, capsys, shuffle):
     backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
     with pytest.raises(RuntimeError, match="interrupted at step 7"):
