@@ -19,7 +19,7 @@ from keras.src.trainers.data_adapters import array_slicing
 
 from keras_dist.data import _call
 from keras_dist.data._resident import ResidentPass
-from keras_dist.data._resident_data import lay_out_resident, wants_resident
+from keras_dist.data._resident_data import lay_out_resident, resident_layout
 from keras_dist.data._target import InputTarget
 
 __all__ = ["resident_pass"]
@@ -43,19 +43,22 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
     found = cache.get(id(adapter))
     if found is None:
         total = sum(_bytes_of(leaf) for leaf in leaves)
-        if not wants_resident(options, total):
+        block_rows = _blocks(adapter, strategy)
+        layout = resident_layout(
+            options,
+            total,
+            strategy.num_replicas_in_sync,
+            in_order=block_rows is not None,
+            splittable=_splittable(adapter, strategy),
+        )
+        if layout is None:
             return None
         rows = _rows(adapter)
         if call is not None and call.check_batch is not None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
         found = (
             adapter,
-            lay_out_resident(
-                strategy,
-                rows,
-                block_rows=_blocks(adapter, strategy),
-                split_rows=_split(adapter, strategy),
-            ),
+            lay_out_resident(strategy, rows, layout, block_rows=block_rows),
         )
         cache[id(adapter)] = found
     # Keras draws a `shuffle="batch"` order as it reads each batch.
@@ -87,13 +90,13 @@ def _blocks(adapter: Any, strategy: InputTarget) -> int | None:
     return size
 
 
-def _split(adapter: Any, strategy: InputTarget) -> bool:
-    """Whether the data is split over the replicas by rows: what `fit` shuffles.
+def _splittable(adapter: Any, strategy: InputTarget) -> bool:
+    """Whether the data can be split over the replicas by rows (`ROWS`).
 
-    Each pass (epoch) then lays its batches out from the rows once
-    (`Strategy.exchange_rows`), each device holding 1/replicas of the data.
-    Keras draws a `shuffle="batch"` order as it reads each batch, with no
-    pass to lay out ahead: that data is copied to every device.
+    What `fit` shuffles whole: each pass (epoch) then lays its batches out
+    from the rows once (`Strategy.exchange_rows`). Keras draws a
+    `shuffle="batch"` order as it reads each batch, with no pass to lay out
+    ahead.
     """
     size = adapter._batch_size
     return (

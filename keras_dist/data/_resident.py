@@ -206,6 +206,8 @@ class ResidentPass:
             self._lay_out_table()
         taken = list(itertools.islice(self._indices, count))
         self._position += len(taken)
+        if not taken:
+            self.close()
         return taken
 
     def _lay_out_table(self) -> None:
@@ -308,7 +310,13 @@ class ResidentPass:
         self._first = False
 
     def close(self) -> None:
-        """Nothing to stop (no thread); as `InputPass.close`."""
+        """Lets go of the pass's own batches (as `InputPass.close`).
+
+        A split dataset's pass laid its batches out (as much memory as the
+        dataset): freed before the next pass lays out its own.
+        """
+        self._table_arrays = self._table = self._rest = None
+        self._table_form = None
 
 
 def _not_blocks(block_rows: int, what: str) -> RuntimeError:

@@ -1,15 +1,18 @@
 """A device-resident dataset: laid out on the mesh once (`_resident.py` reads it).
 
-Three layouts, by how the dataset is read:
-- only in its own order: its full batches split over the replicas as blocks
-  and the rows after them copied to every device (`Strategy.place_blocks`);
-- shuffled by `fit` (`shuffle=True`): its rows split over the replicas
-  (`Strategy.place_rows`), each pass's batches laid out from them once
-  (`Strategy.exchange_rows`);
-- shuffled batch by batch as Keras reads it (`shuffle="batch"`): copied to
-  every device (`Strategy.place_dataset`).
-`wants_resident` decides by the strategy's `InputOptions` and the dataset's
-size.
+Three layouts (`resident_layout` chooses, by how the dataset is read, the
+strategy's `InputOptions` and the dataset's size):
+- `BLOCKS`, read only in its own order: its full batches split over the
+  replicas as blocks and the rows after them copied to every device
+  (`Strategy.place_blocks`); each step takes its block.
+- `COPY`, shuffled, when a device can hold it all: copied to every device
+  (`Strategy.place_dataset`); each step gathers its rows from its copy.
+- `ROWS`, shuffled by `fit` (`shuffle=True`) and too big to copy: its rows
+  split over the replicas (`Strategy.place_rows`); each pass lays its
+  batches out from them once as blocks (`Strategy.exchange_rows`), and
+  each step takes its block.
+The budget (`InputOptions.device_resident_budget`) is what one device may
+hold: the dataset for a copy, its share (1/replicas) split.
 """
 
 import dataclasses
@@ -21,7 +24,16 @@ from keras_dist.data._input_context import InputOptions
 from keras_dist.data._partial_batch import batch_size_of
 from keras_dist.data._target import InputTarget
 
-__all__ = ["ResidentData", "lay_out_resident", "wants_resident"]
+__all__ = [
+    "BLOCKS",
+    "COPY",
+    "ROWS",
+    "ResidentData",
+    "lay_out_resident",
+    "resident_layout",
+]
+
+BLOCKS, COPY, ROWS = "blocks", "copy", "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,34 +56,66 @@ class ResidentData:
     replica_rows: int | None = None
 
 
-def wants_resident(options: InputOptions, total_bytes: int) -> bool:
-    """Whether a dataset of `total_bytes` goes to the devices under `options`."""
-    if options.device_resident is not None:
-        return options.device_resident
-    return total_bytes <= options.device_resident_budget
+def resident_layout(
+    options: InputOptions,
+    total_bytes: int,
+    replicas: int,
+    *,
+    in_order: bool,
+    splittable: bool,
+) -> str | None:
+    """How a dataset of `total_bytes` is laid out on the devices, or None.
+
+    Args:
+        options: the strategy's input options.
+        total_bytes: the dataset's bytes on the devices.
+        replicas: the replica count.
+        in_order: every pass reads it in its order, in full batches of a
+            multiple of `replicas` rows (then: `BLOCKS`).
+        splittable: `fit` shuffles it whole each pass (`shuffle=True`), in
+            batches of a multiple of `replicas` rows (then `ROWS` when a
+            copy does not fit).
+
+    Returns:
+        `BLOCKS`, `COPY` or `ROWS`; None: not on the devices (the host
+        path), when what a device would hold is over the budget
+        (`device_resident=None`) or `device_resident=False`.
+    """
+    if options.device_resident is False:
+        return None
+    forced = options.device_resident is True
+    budget = options.device_resident_budget
+    share = -(-total_bytes // max(replicas, 1))
+    if in_order:
+        return BLOCKS if forced or share <= budget else None
+    if total_bytes <= budget:
+        return COPY
+    if splittable and (forced or share <= budget):
+        return ROWS
+    return COPY if forced else None
 
 
 def lay_out_resident(
     strategy: InputTarget,
     data: Any,
+    layout: str = COPY,
     *,
     block_rows: int | None = None,
-    split_rows: bool = False,
 ) -> ResidentData:
-    """Copies `data` (a pytree of host arrays, rows first) to the devices.
+    """Lays `data` (a pytree of host arrays, rows first) out on the devices.
 
-    To every device; or, with `block_rows` (a dataset read only in order,
-    in batches of `block_rows` rows, a multiple of the replica count), as
-    blocks of its full batches split over the replicas, and its remaining
-    rows to every device; or, with `split_rows` (a dataset `fit` shuffles),
-    split over the replicas by rows.
+    `COPY`: to every device. `BLOCKS` (a dataset read only in order, in
+    batches of `block_rows` rows, a multiple of the replica count): blocks
+    of its full batches split over the replicas, and its remaining rows to
+    every device. `ROWS` (a dataset `fit` shuffles): split over the
+    replicas by rows.
     """
     rows = batch_size_of(data) or 0
-    if split_rows:
+    if layout == ROWS:
         split, replica_rows = strategy.place_rows(data)
         arrays, treedef = jax.tree.flatten(split)
         return ResidentData(arrays, treedef, rows, replica_rows=replica_rows)
-    if block_rows is None:
+    if layout == COPY:
         arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
         return ResidentData(arrays, treedef, rows)
     blocks, tail = strategy.place_blocks(data, block_rows)

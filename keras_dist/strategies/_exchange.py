@@ -36,14 +36,19 @@ _AXIS = "batch"
 
 @dataclasses.dataclass(frozen=True)
 class ExchangePlan:
-    """Where each row of a pass comes from, per replica.
+    """Where each row of a pass comes from, per replica, in rounds.
+
+    A replica's `m` rows of the pass are laid out in `K` rounds of `m / K`
+    (the last padded), so that what a round sends and receives takes about
+    `1 / K` of the dataset's share of a replica, not all of it.
 
     Attributes:
-        send: int32 `(replicas, replicas, C)`: `send[s, d]` are the rows of
-            replica `s` (local indices) that replica `d` needs, padded.
-        receive: int32 `(replicas, m)`: replica `d`'s `m` rows of the pass,
-            each an index into the `replicas * C` rows it receives (`s * C +
-            c`), or -1 (a padding row: zeros).
+        send: int32 `(replicas, K, replicas, C)`: `send[s, k, d]` are the rows
+            of replica `s` (local indices) that replica `d` needs in round
+            `k`, padded.
+        receive: int32 `(replicas, K, m / K)`: replica `d`'s rows of round
+            `k`, each an index into the `replicas * C` rows it receives in
+            the round (`s * C + c`), or -1 (a padding row: zeros).
         segments: static `(batches, rows)` of each output: the rows a
             replica holds of each of `batches` batches, in order.
     """
@@ -53,8 +58,17 @@ class ExchangePlan:
     segments: tuple[tuple[int, int], ...]
 
 
+# A round's rows a replica pair, on average, at least: the fewer, the more
+# a round's chunk is padded (`_chunk_rows`).
+_ROUND_PAIR_ROWS = 128
+
+
 def plan_exchange(
-    batches: Sequence[np.ndarray], replica_rows: int, replicas: int
+    batches: Sequence[np.ndarray],
+    replica_rows: int,
+    replicas: int,
+    *,
+    round_rows: int | None = None,
 ) -> ExchangePlan:
     """Plans the layout of `batches` from rows split `replica_rows` a replica.
 
@@ -63,6 +77,8 @@ def plan_exchange(
             (rows: a multiple of `replicas`; -1: padding), one output each.
         replica_rows: the dataset rows each replica holds.
         replicas: the replica count.
+        round_rows: the most rows a replica lays out a round (None: all in
+            one round); at least `128 * replicas`.
     """
     shares, segments = [], []
     for group in batches:
@@ -73,21 +89,31 @@ def plan_exchange(
         segments.append((count, width))
     wanted = np.concatenate([s.reshape(replicas, -1) for s in shares], axis=1)
     m = wanted.shape[1]
+    rounds = 1
+    if round_rows is not None:
+        rounds = -(-m // max(round_rows, replicas * _ROUND_PAIR_ROWS))
+    per_round = -(-m // rounds)
+    padding = np.full((replicas, rounds * per_round - m), -1, wanted.dtype)
+    wanted = np.concatenate([wanted, padding], axis=1).reshape(
+        replicas, rounds, per_round
+    )
     real = wanted >= 0
     source = np.where(real, wanted // replica_rows, replicas)  # Padding last.
     local = np.where(real, wanted % replica_rows, 0)
-    dest = np.broadcast_to(np.arange(replicas)[:, None], wanted.shape)
-    key = (dest * (replicas + 1) + source).ravel()
-    counts = np.bincount(key, minlength=replicas * (replicas + 1))
+    dest, round_ = np.indices(wanted.shape)[:2]
+    # Rows grouped by (destination, round, source); each row's rank in its
+    # group is its place in the chunk.
+    key = ((dest * rounds + round_) * (replicas + 1) + source).ravel()
+    counts = np.bincount(key, minlength=replicas * rounds * (replicas + 1))
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     order = np.argsort(key, kind="stable")
     rank = np.empty(key.size, np.int64)
     rank[order] = np.arange(key.size) - starts[key[order]]
     rank = rank.reshape(wanted.shape)
-    real_counts = counts.reshape(replicas, replicas + 1)[:, :replicas]
-    chunk = _chunk_rows(int(real_counts.max(initial=0)), m, replicas)
-    send = np.zeros((replicas, replicas, chunk), np.int32)
-    send[source[real], dest[real], rank[real]] = local[real]
+    most = counts.reshape(-1, replicas + 1)[:, :replicas].max(initial=0)
+    chunk = _chunk_rows(int(most), per_round, replicas)
+    send = np.zeros((replicas, rounds, replicas, chunk), np.int32)
+    send[source[real], round_[real], dest[real], rank[real]] = local[real]
     receive = np.where(real, source * chunk + rank, -1).astype(np.int32)
     return ExchangePlan(send, receive, tuple(segments))
 
@@ -95,9 +121,10 @@ def plan_exchange(
 def _chunk_rows(most: int, m: int, replicas: int) -> int:
     """The rows of one replica-to-replica chunk: at least `most`, from a ladder.
 
-    A replica's `m` rows come about `m / replicas` from each replica; the
-    first rung leaves room for four standard deviations more, so a shuffled
-    pass almost always lands on it, and every pass of a `fit` compiles once.
+    A replica's `m` rows of a round come about `m / replicas` from each
+    replica; the first rung leaves room for four standard deviations more,
+    so a shuffled pass almost always lands on it, and every pass of a `fit`
+    compiles once.
     """
     even = -(-m // replicas)
     rung = even + max(-(-even // 8), int(np.ceil(4 * np.sqrt(even))), 1)
@@ -133,16 +160,8 @@ def exchange(
 def _exchanger(mesh: Mesh, segments: tuple[tuple[int, int], ...]) -> Callable:
     def local(rows: list, send, receive) -> list:
         send, receive = send[0], receive[0]
-        real = receive >= 0
-        out = []
-        for array in rows:
-            sent = jnp.take(array, send.reshape(-1), axis=0)
-            got = jax.lax.all_to_all(sent, _AXIS, 0, 0, tiled=True)
-            mine = jnp.take(got, jnp.maximum(receive, 0), axis=0)
-            mask = real.reshape((-1,) + (1,) * (array.ndim - 1))
-            mine = jnp.where(mask, mine, jnp.zeros((), mine.dtype))
-            out.append(_split(mine, segments))
-        return [[parts[i] for parts in out] for i in range(len(segments))]
+        out = [_laid_out(array, send, receive) for array in rows]
+        return [[_split(o, segments)[i] for o in out] for i in range(len(segments))]
 
     spec = PartitionSpec(_AXIS)
     blocks = PartitionSpec(None, _AXIS)
@@ -153,6 +172,31 @@ def _exchanger(mesh: Mesh, segments: tuple[tuple[int, int], ...]) -> Callable:
         out_specs=[blocks] * len(segments),
     )
     return jax.jit(mapped)
+
+
+def _laid_out(array, send, receive):
+    """This replica's rows of the pass, from its `array` and the others'."""
+    rounds, per_round = receive.shape
+    mask_shape = (per_round,) + (1,) * (array.ndim - 1)
+    zero = jnp.zeros((), array.dtype)
+
+    def one_round(k):
+        # The plan's indices are in bounds: no clamping.
+        sent = array.at[send[k].reshape(-1)].get(mode="promise_in_bounds")
+        got = jax.lax.all_to_all(sent, _AXIS, 0, 0, tiled=True)
+        indices = receive[k]
+        mine = got.at[jnp.maximum(indices, 0)].get(mode="promise_in_bounds")
+        return jnp.where((indices >= 0).reshape(mask_shape), mine, zero)
+
+    if rounds == 1:
+        return one_round(0)
+
+    def into(k, out):
+        return jax.lax.dynamic_update_slice_in_dim(out, one_round(k), k * per_round, 0)
+
+    out = jnp.zeros((rounds * per_round, *array.shape[1:]), array.dtype)
+    out = jax.lax.pcast(out, _AXIS, to="varying")  # As each round's rows.
+    return jax.lax.fori_loop(0, rounds, into, out)
 
 
 def _split(mine, segments) -> list:

@@ -19,6 +19,11 @@ from keras_dist.strategies._take_rows import take_block, take_rows
 
 __all__ = ["ResidentPlacement"]
 
+# What a round of `exchange_rows` sends (and receives) a device, at most:
+# about the batches a replica lays out in one round. Rounds bound the
+# memory the exchange takes beyond its result; one round is the fastest.
+_ROUND_BYTES = 64 * 2**20
+
 
 class ResidentPlacement:
     """A mixin of `Strategy`, next to `Placement` (whose helpers it uses).
@@ -141,7 +146,13 @@ class ResidentPlacement:
             batch_rows, ...)`, as `place_blocks` lays them out (for
             `take_rows(..., blocked=True)`).
         """
-        plan = plan_exchange(batches, replica_rows, self.num_replicas_in_sync)
+        row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in rows)
+        plan = plan_exchange(
+            batches,
+            replica_rows,
+            self.num_replicas_in_sync,
+            round_rows=_ROUND_BYTES // max(row_bytes, 1),
+        )
         sharding = self._data_sharding
         send = _place(plan.send, sharding(3))
         receive = _place(plan.receive, sharding(2))

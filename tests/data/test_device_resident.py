@@ -9,15 +9,19 @@ and batch 10, every batch padded), sample weights, validation_split,
 steps_per_execution, eager steps and a resumed fit.
 """
 
+import unittest.mock
+
 import jax
 import keras
 import numpy as np
 import pytest
 
 import keras_dist as kd
+from keras_dist._keras_compat import _array_input
 from keras_dist.data import _call
 from keras_dist.data._resident import ResidentPass
-from keras_dist.data._resident_data import lay_out_resident
+from keras_dist.data._resident_data import BLOCKS, ROWS, lay_out_resident
+from keras_dist.strategies import _resident_placement
 from keras_dist.strategies._exchange import plan_exchange
 from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import (
@@ -35,6 +39,16 @@ from tests._strategies import STRATEGIES
 
 X, Y, SW = make_data(37)
 WEIGHTS = initial_weights()
+# Always on the devices; no copy fits a budget of 0 bytes: data `fit`
+# shuffles is split over the replicas by rows (`ROWS`), not copied.
+SPLIT = kd.InputOptions(device_resident=True, device_resident_budget=0)
+
+
+def _options(resident) -> kd.InputOptions:
+    """`"split"`: `SPLIT`; otherwise `device_resident=resident`."""
+    if resident == "split":
+        return SPLIT
+    return kd.InputOptions(device_resident=resident)
 
 
 class _Resident(keras.callbacks.Callback):
@@ -63,7 +77,7 @@ def _model(resident, **compile_kwargs):
         model.set_weights(WEIGHTS)
     else:
         strategy = mirrored(8)
-        strategy.input_options = kd.InputOptions(device_resident=resident)
+        strategy.input_options = _options(resident)
         model = build_in_scope(strategy, WEIGHTS)
     if compile_kwargs:
         model.compile(
@@ -104,11 +118,19 @@ def _assert_same(expected, actual):
 
 
 @pytest.mark.parametrize(
-    "shuffle, batch_size", [(False, 8), (True, 8), ("batch", 8), (True, 10)]
+    "resident, shuffle, batch_size",
+    [
+        (True, False, 8),  # Blocks.
+        (True, True, 8),  # Copied.
+        ("split", True, 8),  # Split by rows.
+        (True, "batch", 8),  # Copied.
+        (True, True, 10),  # Copied: 10 rows do not split over 8 replicas.
+        ("split", True, 10),
+    ],
 )
-def test_resident_equals_host_path_and_keras(shuffle, batch_size):
+def test_resident_equals_host_path_and_keras(resident, shuffle, batch_size):
     spy = _Resident()
-    resident = _run(True, shuffle, spy, batch_size)
+    resident = _run(resident, shuffle, spy, batch_size)
     # The training and the validation split, then one dataset per call.
     assert spy.counts == {"fit": 2, "evaluate": 1, "predict": 1}
     host = _run(False, shuffle, batch_size=batch_size)
@@ -137,22 +159,24 @@ class _Transfers:
 
 
 @pytest.mark.parametrize(
-    "shuffle, want",
+    "resident, shuffle, want",
     [
-        # Shuffled: a pass lays all its batches out from the split rows at
-        # once, no indices to transfer. (Before the first epoch, Keras reads
-        # one batch of a pass of its own to build the model's metrics: one
-        # more pass.)
-        (True, {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
+        # A pass: its full batches in one table; the partial batch alone.
+        # (Before the first epoch, Keras reads one batch of a pass of its
+        # own to build the model's metrics: one more pass.)
+        (True, True, {"shard": 3, "shard_steps": 4, "exchange_rows": 0}),
+        # Split by rows: a pass lays all its batches out from the rows at
+        # once; no indices to transfer.
+        ("split", True, {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
         # In the dataset's order: no table; a step number names a block.
-        (False, {"shard": 3, "shard_steps": 0, "exchange_rows": 0}),
+        (True, False, {"shard": 3, "shard_steps": 0, "exchange_rows": 0}),
         # Keras draws each batch's order as it reads it: one by one.
-        ("batch", {"shard": 16, "shard_steps": 0, "exchange_rows": 0}),
+        (True, "batch", {"shard": 16, "shard_steps": 0, "exchange_rows": 0}),
     ],
 )
-def test_a_pass_lays_out_its_indices_once(shuffle, want):
+def test_a_pass_lays_out_its_indices_once(resident, shuffle, want):
     strategy = mirrored(8)
-    strategy.input_options = kd.InputOptions(device_resident=True)
+    strategy.input_options = _options(resident)
     model = build_in_scope(strategy, WEIGHTS)
     transfers = _Transfers(strategy)
     model.fit(X, Y, batch_size=8, epochs=3, shuffle=shuffle, verbose=0)
@@ -236,22 +260,55 @@ def test_the_passes_of_a_fit_share_one_exchange_program():
     shapes = set()
     for seed in range(20):
         order = np.random.RandomState(seed).permutation(rows).astype(np.int32)
-        plan = plan_exchange([order.reshape(-1, batch)], rows // 8, 8)
+        batches = [order.reshape(-1, batch)]
+        plan = plan_exchange(batches, rows // 8, 8, round_rows=1024)
         shapes.add(plan.send.shape)
-        # Each replica receives exactly its rows of every batch, in order.
-        assert plan.receive.shape == (8, rows // 8)
-        assert sorted(np.unique(plan.receive // plan.send.shape[2])) == list(range(8))
+        # 2048 rows a replica, in 2 rounds of 1024, each taking about 128
+        # rows from each replica: every source, every row once.
+        assert plan.receive.shape == (8, 2, 1024)
+        chunk = plan.send.shape[-1]
+        for replica in range(8):
+            received = plan.receive[replica]
+            assert sorted(np.unique(received // chunk)) == list(range(8))
+            assert len(np.unique(received[0])) == 1024
+        assert plan_exchange(batches, rows // 8, 8).receive.shape == (8, 1, 2048)
     assert len(shapes) == 1
-    chunk = shapes.pop()[2]
-    assert 256 <= chunk <= 1.25 * 256  # About rows / 64 a pair, not rows / 8.
-    # One replica holding every row a replica needs: a wider chunk, still exact.
-    lopsided = plan_exchange([np.arange(32, dtype=np.int32).reshape(2, 16)], 16, 2)
-    assert lopsided.send.shape == (2, 2, 16)
+    (shape,) = shapes
+    assert shape[:3] == (8, 2, 8)
+    assert 128 <= shape[3] <= 1.4 * 128  # About rows / 128 a pair and round.
+    # Replica d needs only its own rows: a wider chunk, still exact.
+    own = np.array([[*range(8), *range(16, 24)], [*range(8, 16), *range(24, 32)]])
+    lopsided = plan_exchange([own.astype(np.int32)], 16, 2)
+    assert lopsided.send.shape == (2, 1, 2, 16)
+    np.testing.assert_array_equal(lopsided.send[:, 0, 0], [np.arange(16), [0] * 16])
+    np.testing.assert_array_equal(lopsided.receive[:, 0], [range(16), range(16, 32)])
+
+
+def test_rounds_lay_out_the_same_batches_as_one(monkeypatch):
+    strategy = mirrored(2)
+    rows = np.arange(3000 * 2, dtype=np.float32).reshape(3000, 2) + 1
+    split, replica_rows = strategy.place_rows([rows])
+    order = np.random.RandomState(0).permutation(3000).astype(np.int32)
+    full = order[:2944].reshape(23, 128)
+    partial = np.concatenate([order[2944:], np.full(8, -1, np.int32)])[None]
+    groups = [full, partial]
+    # 1504 rows a replica: in rounds of at least 256 (128 a pair), 6 rounds.
+    assert plan_exchange(groups, replica_rows, 2).receive.shape == (2, 1, 1504)
+    rounds = plan_exchange(groups, replica_rows, 2, round_rows=256)
+    assert rounds.receive.shape == (2, 6, 251)
+    results = []
+    for round_bytes in (2**30, 256 * 8):  # One round; rounds of 256 rows.
+        monkeypatch.setattr(_resident_placement, "_ROUND_BYTES", round_bytes)
+        results.append(strategy.exchange_rows(split, replica_rows, groups))
+    for blocks, last in results:
+        np.testing.assert_array_equal(blocks[0], rows[full])
+        np.testing.assert_array_equal(last[0][0, :56], rows[order[2944:]])
+        assert not np.asarray(last[0][0, 56:]).any()  # Padding: zero rows.
 
 
 def test_split_rows_need_a_pass_read_ahead():
     strategy = mirrored(8)
-    data = lay_out_resident(strategy, (X, Y), split_rows=True)
+    data = lay_out_resident(strategy, (X, Y), ROWS)
     with pytest.raises(RuntimeError, match="needs each pass read ahead"):
         ResidentPass(strategy, data, iter([np.arange(8)]), call=None)
 
@@ -286,13 +343,18 @@ class _Layouts:
         return int(np.prod(data.shape[: leaf.ndim - X.ndim + 1]))
 
 
-def test_data_is_split_over_the_replicas_not_copied():
+def test_data_is_split_over_the_replicas_unless_a_copy_fits():
     strategy = mirrored(8)
-    strategy.input_options = kd.InputOptions(device_resident=True)
     model = build_in_scope(strategy, WEIGHTS)
     layouts = _Layouts(strategy)
-    # Shuffled training data is split by rows; its validation split is read
-    # in order: blocks.
+    # A device can hold it all (default budget): shuffled data is copied.
+    model.fit(X, Y, batch_size=8, epochs=1, verbose=0)
+    assert len(layouts.copies) == 1 and layouts.splits == []
+    assert layouts.rows_on_first_device(layouts.copies[0]) == 37
+    layouts.copies.clear()
+    # No copy fits: shuffled training data is split by rows; its validation
+    # split is read in order: blocks.
+    strategy.input_options = SPLIT
     model.fit(X, Y, batch_size=8, epochs=2, validation_split=0.2, verbose=0)
     assert layouts.copies == [] and len(layouts.splits) == 1
     assert len(layouts.blocks) == 1
@@ -318,18 +380,26 @@ def test_data_is_split_over_the_replicas_not_copied():
     assert layouts.rows_on_first_device(layouts.copies[0]) == 37
 
 
-def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
+@pytest.mark.parametrize(
+    "resident, want",
+    [
+        (True, {"shard": 3, "shard_steps": 4, "exchange_rows": 0}),
+        ("split", {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
+    ],
+)
+def test_a_fused_group_names_its_table_rows_with_one_kept_vector(resident, want):
     strategy = mirrored(8)
-    strategy.input_options = kd.InputOptions(device_resident=True)
+    strategy.input_options = _options(resident)
     with strategy.scope():
         model = make_model()
         model.set_weights(WEIGHTS)
         compile_model(model, steps_per_execution=2)
     transfers = _Transfers(strategy)
     model.fit(X, Y, batch_size=8, epochs=3, shuffle=True, verbose=0)
-    # 4 full batches a pass: groups at table rows 0-1 and 2-3, then the
-    # partial batch alone. Each group's rows are one argument, made once.
-    assert transfers.counts == {"shard": 0, "shard_steps": 0, "exchange_rows": 4}
+    # 4 full batches a pass: groups at table rows (or blocks) 0-1 and 2-3,
+    # then the partial batch alone. Each group's rows are one argument,
+    # made once.
+    assert transfers.counts == want
     ranges = strategy._step_ranges
     assert sorted(ranges) == [(0, 2), (2, 2)]
     np.testing.assert_array_equal(np.asarray(ranges[2, 2]), [2, 3])
@@ -337,11 +407,15 @@ def test_a_fused_group_names_its_table_rows_with_one_kept_vector():
     assert ranges[2, 2].sharding.is_fully_replicated
 
 
-@pytest.mark.parametrize("shuffle", [True, False, "batch"])  # Split; blocks; copied.
-def test_jax_array_inputs_equal_numpy_inputs(shuffle):
+@pytest.mark.parametrize(
+    "resident, shuffle",
+    [(True, True), ("split", True), (True, False), (True, "batch")],
+    ids=["copied", "split", "blocks", "batch-copied"],
+)
+def test_jax_array_inputs_equal_numpy_inputs(resident, shuffle):
     def run(x, y):
         keras.utils.set_random_seed(3)
-        model = _model(True)
+        model = _model(resident)
         history = model.fit(x, y, batch_size=8, epochs=2, shuffle=shuffle, verbose=0)
         scores = model.evaluate(x, y, batch_size=8, verbose=0)
         return history.history, scores, model.predict(x, batch_size=8, verbose=0)
@@ -354,18 +428,22 @@ def test_jax_array_inputs_equal_numpy_inputs(shuffle):
         np.testing.assert_equal(got, want)
 
 
+@pytest.mark.parametrize("resident", [True, "split"])
 @pytest.mark.parametrize(
-    "mode", [{"steps_per_execution": 3}, {"run_eagerly": True}], ids=str
+    "mode",
+    [{"steps_per_execution": 3}, {"run_eagerly": True}, {"jit_compile": False}],
+    ids=str,
 )
-def test_resident_execution_modes_equal_keras(mode):
+def test_resident_execution_modes_equal_keras(mode, resident):
     spy = _Resident()
-    resident = _run(True, True, spy, **mode)
+    resident = _run(resident, True, spy, **mode)
     assert spy.counts["fit"] == 2
     _assert_same(_run(None, True, **mode), resident)
 
 
+@pytest.mark.parametrize("resident", [True, "split"])
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
-def test_every_strategy_equals_keras(name):
+def test_every_strategy_equals_keras(name, resident):
     # Split state (FSDP, ZeRO-1, PS) and state in host memory (CentralStorage);
     # batch 8: 4 full batches from the pass's index table, then 5 rows padded.
     def fit(strategy):
@@ -374,7 +452,7 @@ def test_every_strategy_equals_keras(name):
             model = compile_model(make_model())
             model.set_weights(WEIGHTS)
         else:
-            strategy.input_options = kd.InputOptions(device_resident=True)
+            strategy.input_options = _options(resident)
             model = build_in_scope(strategy, WEIGHTS)
         history = model.fit(
             X, Y, batch_size=8, epochs=2, shuffle=True, verbose=0
@@ -386,40 +464,54 @@ def test_every_strategy_equals_keras(name):
     assert_weights_close(expected[1], got[1])
 
 
-def _fit_counts(options, x):
+def _fit_layouts(options, x, shuffle=True, batch_size=8) -> list[str]:
+    """The layouts of the datasets `fit` laid out on the devices."""
     strategy = mirrored(8)
     if options is not None:
         strategy.input_options = options
     model = build_in_scope(strategy, WEIGHTS)
-    spy = _Resident()
-    model.fit(x, Y[: len(x)], batch_size=10, epochs=1, callbacks=[spy], verbose=0)
-    return spy.counts["fit"]
+    layouts = []
+    lay_out = _array_input.lay_out_resident
+
+    def recording(strategy, data, layout, **kwargs):
+        layouts.append(layout)
+        return lay_out(strategy, data, layout, **kwargs)
+
+    with unittest.mock.patch.object(_array_input, "lay_out_resident", recording):
+        model.fit(
+            x,
+            Y[: len(x)],
+            batch_size=batch_size,
+            epochs=1,
+            shuffle=shuffle,
+            verbose=0,
+        )
+    return layouts
 
 
-def test_the_budget_decides_by_bytes():
-    # 37 rows of 6 float32 and an int32 label: 1036 bytes on every device.
-    assert _fit_counts(None, X) == 1  # Default: automatic, up to 256 MiB.
-    assert (
-        _fit_counts(
-            kd.InputOptions(device_resident=None, device_resident_budget=1036), X
-        )
-        == 1
-    )
-    assert (
-        _fit_counts(
-            kd.InputOptions(device_resident=None, device_resident_budget=1035), X
-        )
-        == 0
-    )
+def test_the_budget_decides_by_what_a_device_holds():
+    # 37 rows of 6 float32 and an int32 label: 1036 bytes; batches of 8.
+    assert _fit_layouts(None, X) == ["copy"]  # Default: up to 256 MiB a device.
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=1036), X) == ["copy"]
+    # No copy fits: split over 8 replicas, 130 bytes (of 1036) a device.
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=1035), X) == ["rows"]
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=130), X) == ["rows"]
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=129), X) == []
+    # Read in order (blocks): its share, too.
+    in_order = kd.InputOptions(device_resident_budget=130)
+    assert _fit_layouts(in_order, X, shuffle=False) == ["blocks"]
+    assert _fit_layouts(in_order, X, shuffle="batch") == []  # Only a copy.
     forced = kd.InputOptions(device_resident=True, device_resident_budget=0)
-    assert _fit_counts(forced, X) == 1
-    assert _fit_counts(kd.InputOptions(device_resident=False), X) == 0
+    assert _fit_layouts(forced, X) == ["rows"]
+    assert _fit_layouts(forced, X, shuffle="batch") == ["copy"]
+    assert _fit_layouts(forced, X, batch_size=10) == ["copy"]  # 10: not 8k.
+    assert _fit_layouts(kd.InputOptions(device_resident=False), X) == []
 
 
 def test_float64_counts_as_floatx():
     # Keras casts float64 input to float32 before it reaches the devices.
     options = kd.InputOptions(device_resident=None, device_resident_budget=1036)
-    assert _fit_counts(options, X.astype("float64")) == 1
+    assert _fit_layouts(options, X.astype("float64")) == ["copy"]
 
 
 def test_inputs_without_targets():
@@ -465,19 +557,23 @@ def _resumable_fit(model, *callbacks, shuffle=True):
     )
 
 
-@pytest.mark.parametrize("shuffle", [True, False])  # Split rows; blocks.
-def test_backup_and_restore_resumes_exactly(tmp_path, capsys, shuffle):
+@pytest.mark.parametrize(
+    "resident, shuffle",
+    [(True, True), ("split", True), (True, False)],
+    ids=["copied", "split", "blocks"],
+)
+def test_backup_and_restore_resumes_exactly(tmp_path, capsys, resident, shuffle):
     backup = kd.callbacks.BackupAndRestore(tmp_path, save_freq=1)
     with pytest.raises(RuntimeError, match="interrupted at step 7"):
-        _resumable_fit(_model(True), backup, InterruptAt(7), shuffle=shuffle)
+        _resumable_fit(_model(resident), backup, InterruptAt(7), shuffle=shuffle)
     spy = _Resident()
-    model = _model(True)
+    model = _model(resident)
     history = _resumable_fit(
         model, kd.callbacks.BackupAndRestore(tmp_path), spy, shuffle=shuffle
     ).history
     assert "resuming at epoch 2, step 2" in capsys.readouterr().out
     assert spy.counts["fit"] == 1
-    expected = _model(True)
+    expected = _model(resident)
     expected_history = _resumable_fit(expected, shuffle=shuffle).history
     np.testing.assert_equal(model.get_weights(), expected.get_weights())
     assert history["loss"] == expected_history["loss"][1:]
@@ -487,7 +583,7 @@ def test_a_shuffled_pass_over_blocks_is_refused_not_misread():
     # `resident_pass` lays blocks out only for passes in order; a pass that
     # is not must fail loudly, never read the wrong rows.
     strategy = mirrored(8)
-    data = lay_out_resident(strategy, (X, Y), block_rows=8)
+    data = lay_out_resident(strategy, (X, Y), BLOCKS, block_rows=8)
     order = np.random.RandomState(0).permutation(37)
     batches = [order[i : i + 8] for i in range(0, 37, 8)]
     shuffled = ResidentPass(strategy, data, iter(batches), call=None, read_ahead=True)
