@@ -6,6 +6,10 @@ CONFIG is one of
     A    Keras fit on one device (keras_dist OneDeviceStrategy)
     B    keras_dist MirroredStrategy fit on DEVICES devices
     B32  B compiled with steps_per_execution=32
+    BR   BS with a budget no copy fits (`InputOptions(device_resident=True,
+         device_resident_budget=0)`): the data is split over the devices
+         by rows, and each epoch lays its batches out once from them (one
+         all_to_all); each step then takes its block, as in order
     BS   B with shuffle=True: each step gathers its rows of the device-resident
          data (every other configuration reads the data in order, which
          keras_dist lays out as blocks split over the devices)
@@ -157,13 +161,19 @@ def run_keras_fit():
     import keras_dist as kd
 
     x, y = make_data()
+    # Keras's shuffle draws from NumPy's global state: BS and BR, the same.
+    np.random.seed(0)
     devices = mesh_devices()
     if CONFIG == "A":
         strategy = kd.OneDeviceStrategy(devices[0])
-    elif CONFIG in ("B", "B32", "BS"):
+    elif CONFIG in ("B", "B32", "BS", "BR"):
         strategy = kd.MirroredStrategy(list(devices))
     else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
+    if CONFIG == "BR":
+        strategy.input_options = kd.InputOptions(
+            device_resident=True, device_resident_budget=0
+        )
     if CONFIG in ("A", "B", "B32", "BS") and os.environ.get(INPUT_ENV) == "host":
         strategy.input_options = kd.InputOptions(device_resident=False)
     report, extra = None, ()
@@ -175,7 +185,7 @@ def run_keras_fit():
         compile_model(keras, model, 32 if CONFIG == "B32" else 1)
         if CONFIG != "C0":
             seconds, loss = fit_and_time(
-                keras, model, x, y, extra, shuffle=CONFIG == "BS"
+                keras, model, x, y, extra, shuffle=CONFIG in ("BS", "BR")
             )
     if CONFIG == "C0":  # The pitfall: fit after the scope has closed.
         seconds, loss = fit_and_time(keras, model, x, y, extra)
@@ -327,7 +337,7 @@ def run_jax_loop():
 
 
 def main():
-    runner = dict.fromkeys(("A", "B", "B32", "BS", "C", "C0"), run_keras_fit)
+    runner = dict.fromkeys(("A", "B", "B32", "BS", "BR", "C", "C0"), run_keras_fit)
     runner.update(D=run_tf_fit, E=run_jax_loop, E32=run_jax_loop, F=run_jax_loop)
     seconds, loss, report = runner[CONFIG]()
     timed = seconds[1:]

@@ -7,6 +7,7 @@ Trains each model at the same global batch in each configuration
     B    keras_dist MirroredStrategy fit, all devices
     B32  B with steps_per_execution=32
     BS   B with shuffle=True (each step gathers its rows; the others read in order)
+    BR   BS with the data split over the devices by rows (a budget no copy fits)
     C    keras.distribution.DataParallel, same devices, used as Keras
          documents it: built, compiled and fit inside its scope
     C0   the pitfall: the same, but fit outside the scope
@@ -41,7 +42,7 @@ from _report_svm import markdown, plot
 from _runs import combine_runs, machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ["A", "B", "B32", "BS", "C", "C0", "D", "E", "E32", "F"]
+CONFIGS = ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "E32", "F"]
 BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 # Steps per epoch: tiny takes ~1-3 ms a step, so it needs more of them to be
 # timed at all, and at least 32 for B32's executions of 32 steps.
@@ -152,7 +153,7 @@ def _ratio(rows, model, top, bottom, scale=1.0):
 
 
 RATIOS = (("B", "A"), ("B", "C"), ("B", "C0"), ("B", "D"), ("B", "E"))
-RATIOS += (("B32", "E"), ("B32", "E32"), ("BS", "B"), ("F", "E"))
+RATIOS += (("B32", "E"), ("B32", "E32"), ("BS", "B"), ("BR", "BS"), ("F", "E"))
 
 
 def targets(rows: dict, models) -> list:

@@ -64,7 +64,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
     rows = {row["config"]: row for row in payload["rows"]}
     # E32 needs steps in multiples of 32: left out of a 2-step run.
-    assert list(rows) == ["A", "B", "B32", "BS", "C", "C0", "D", "E", "F"]
+    assert list(rows) == ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "F"]
     for row in rows.values():
         assert "error" not in row, row
         assert row["model"] == "tiny" and row["steps"] == 2
@@ -81,13 +81,16 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     losses = [rows[c]["final_loss"] for c in ("A", "B", "B32", "C", "C0", "D")]
     assert max(losses) - min(losses) < 1e-3 * max(losses)
     assert rows["BS"]["final_loss"] != rows["B"]["final_loss"]  # Shuffled.
+    # The same shuffle, from the split rows: the same numbers as the copy.
+    assert rows["BR"]["final_loss"] == rows["BS"]["final_loss"]
     assert set(rows["B"]["scaling_report"]) == {
         "compile_seconds",
         "input_ms_per_step",
         "input_fraction",
     }
     analysis = payload["analysis"]
-    ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "BS/B", "F/E"]
+    ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "BS/B"]
+    ratios += ["BR/BS", "F/E"]
     assert list(analysis["ratios"]["tiny"]) == ratios
     assert sorted(int(n) for n in analysis["scaling"]) == [1, 8]
     names = [t["target"] for t in analysis["targets"]]

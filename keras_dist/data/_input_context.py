@@ -104,21 +104,23 @@ class InputOptions:
             ahead of the step (>= 1). Defaults to 1.
         device_resident: for in-memory arrays (NumPy, `jax.Array`) given to
             `fit`/`evaluate`/`predict`: lay the dataset out on the devices
-            once, and take each step's batch there. Data that `fit`
-            shuffles is copied to every device and each step gathers its
-            rows from an index vector, in the order Keras's shuffle gives
-            (same numbers); data read only in its own order
+            once, and take each step's batch there, in the order Keras's
+            shuffle gives (same numbers). Data read only in its own order
             (`shuffle=False`, `evaluate`, `predict`, validation data) is
             split over the replicas as blocks of batches, each device
             holding its rows of every batch (1/replicas of the data), and
-            each step takes its block.
-            `True`: always, `None` (default): when the dataset takes at most
-            `device_resident_budget` bytes, `False`: never. With
-            several processes it is ignored (batches are laid out step by
-            step, on a background thread).
-        device_resident_budget: bytes (of the whole dataset) up to which
-            `device_resident=None` keeps it on the devices. Defaults to
-            256 MiB.
+            each step takes its block. Data that `fit` shuffles is copied
+            to every device when a device can hold it all (within
+            `device_resident_budget`), and each step gathers its rows from
+            its copy; otherwise (`shuffle=True`) its rows are split over the
+            replicas and each pass lays its batches out once from them as
+            blocks (one `all_to_all`). `True`: always, `None` (default):
+            when what a device holds is within the budget, `False`: never.
+            With several processes it is ignored (batches are laid out step
+            by step, on a background thread).
+        device_resident_budget: the bytes of a dataset one device may hold:
+            the whole dataset for a copy, 1/replicas of it split. Defaults
+            to 256 MiB.
         fuse_steps: with `steps_per_execution=N > 1` in `compile`, run each
             group of N batches of the same shapes as one compiled program
             (a `lax.scan` of the step): one dispatch per N steps instead of

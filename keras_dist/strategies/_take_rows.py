@@ -1,7 +1,9 @@
 """Rows of a device-resident dataset, taken on the devices by index or by block.
 
 A device-resident dataset (`keras_dist/data/_resident.py`) that `fit`
-shuffles is copied once to every device of the mesh. A step's global batch
+shuffles and a device can hold is copied once to every device of the mesh
+(one too big to copy is split by rows, and each pass laid out as blocks:
+`_exchange.py`). A step's global batch
 is the rows named by an index vector; replica `r` receives its share of the
 vector (a few bytes a row) and takes its rows from its own copy: batch rows
 `r * b ... (r + 1) * b - 1`, the layout of `shard`, with no communication
@@ -16,10 +18,10 @@ the batch axis (`ResidentPlacement.place_blocks`), each device holding only its 
 of every batch — 1/replicas of the dataset — and `take_block` indexes the
 step's block on each device, with no communication either.
 
-The gather has no collective on purpose: on a CPU with virtual devices, a
-second program with a collective in flight next to the step's all-reduce was
-seen to deadlock XLA's rendezvous (a shuffled read of rows split over the
-replicas needs one).
+Neither take has a collective: a step's gather from rows split over the
+replicas would need one in every step (an `all_to_all` of the batch's rows
+next to the gradients' all-reduce); the split layout pays for one per pass
+instead (`_exchange.py`).
 """
 
 import functools
