@@ -9,7 +9,7 @@ NAMES = {
     "B": "keras_dist MirroredStrategy fit",
     "B32": "keras_dist fit, steps_per_execution=32",
     "BS": "keras_dist fit, shuffle=True (rows gathered, not sliced)",
-    "BR": "keras_dist fit, shuffle=True, data split by rows (no copy fits)",
+    "BR": "keras_dist fit, shuffle=True, split by rows (budget under a copy)",
     "C": "Keras DataParallel, fit in the scope (as documented)",
     "C0": "Keras DataParallel, fit outside the scope (pitfall; keras_dist "
     "models remember their strategy)",

@@ -110,14 +110,17 @@ class InputOptions:
             split over the replicas as blocks of batches, each device
             holding its rows of every batch (1/replicas of the data), and
             each step takes its block. Data that `fit` shuffles is copied
-            to every device when a device can hold it all (within
-            `device_resident_budget`), and each step gathers its rows from
-            its copy; otherwise (`shuffle=True`) its rows are split over the
-            replicas and each pass lays its batches out once from them as
-            blocks (one `all_to_all`). `True`: always, `None` (default):
-            when what a device holds is within the budget, `False`: never.
-            With several processes it is ignored (batches are laid out step
-            by step, on a background thread).
+            to every device, and each step gathers its rows from its copy.
+            `None` (default): when what a device holds (a copy, or its
+            share of blocks) is within `device_resident_budget`; otherwise
+            the host path. `True`: always; then shuffled data
+            (`shuffle=True`) whose copy is over the budget is split over
+            the replicas by rows, and each pass lays its batches out once
+            from them as blocks (an `all_to_all`): 1/replicas of it a
+            device, but on CPU devices slower than the host path (BR in
+            `benchmarks/README.md`). `False`: never. With several
+            processes it is ignored (batches are laid out step by step, on
+            a background thread).
         device_resident_budget: the bytes of a dataset one device may hold:
             the whole dataset for a copy, 1/replicas of it split. Defaults
             to 256 MiB.

@@ -7,10 +7,10 @@ strategy's `InputOptions` and the dataset's size):
   (`Strategy.place_blocks`); each step takes its block.
 - `COPY`, shuffled, when a device can hold it all: copied to every device
   (`Strategy.place_dataset`); each step gathers its rows from its copy.
-- `ROWS`, shuffled by `fit` (`shuffle=True`) and too big to copy: its rows
-  split over the replicas (`Strategy.place_rows`); each pass lays its
-  batches out from them once as blocks (`Strategy.exchange_rows`), and
-  each step takes its block.
+- `ROWS`, shuffled by `fit` (`shuffle=True`), too big to copy, and asked
+  for (`device_resident=True`): its rows split over the replicas
+  (`Strategy.place_rows`); each pass lays its batches out from them once as
+  blocks (`Strategy.exchange_rows`), and each step takes its block.
 The budget (`InputOptions.device_resident_budget`) is what one device may
 hold: the dataset for a copy, its share (1/replicas) split.
 """
@@ -73,13 +73,14 @@ def resident_layout(
         in_order: every pass reads it in its order, in full batches of a
             multiple of `replicas` rows (then: `BLOCKS`).
         splittable: `fit` shuffles it whole each pass (`shuffle=True`), in
-            batches of a multiple of `replicas` rows (then `ROWS` when a
-            copy does not fit).
+            batches of a multiple of `replicas` rows (then `ROWS` when
+            `device_resident=True` and a copy is over the budget).
 
     Returns:
         `BLOCKS`, `COPY` or `ROWS`; None: not on the devices (the host
-        path), when what a device would hold is over the budget
-        (`device_resident=None`) or `device_resident=False`.
+        path): with `device_resident=None`, when what a device would hold
+        is over the budget (a copy, or blocks' share), and with
+        `device_resident=False`.
     """
     if options.device_resident is False:
         return None
@@ -90,9 +91,11 @@ def resident_layout(
         return BLOCKS if forced or share <= budget else None
     if total_bytes <= budget:
         return COPY
-    if splittable and (forced or share <= budget):
-        return ROWS
-    return COPY if forced else None
+    if not forced:
+        # Measured on CPU devices, the host path beat the split layout for
+        # data no device can hold whole (`_exchange.py`): on request only.
+        return None
+    return ROWS if splittable else COPY
 
 
 def lay_out_resident(

@@ -20,10 +20,13 @@ about a millisecond a pass of 16k rows, and two int32 tables of about one
 entry a row to transfer.
 
 On CPU devices the exchange costs more than the copy's gathers it replaces
-(the tiny benchmark model, 51 MB of data on 8 virtual devices: 20-40 ms an
-epoch against about 18 ms of gathers), so data a device can hold is copied
-(`_resident_data.resident_layout`); the split layout is for data that does
-not fit a device, which would otherwise go through the host.
+(the tiny benchmark model, 51 MB of data on 8 virtual devices: about 35 ms
+an epoch more, BR against BS in `benchmarks/README.md`), and the host path
+beat it too (BS with `--input host`). So data a device
+can hold is copied, data it cannot goes through the host, and the split
+layout is used when asked for (`device_resident=True` and a budget under a
+copy: `_resident_data.resident_layout`): it keeps 1/replicas of the data a
+device, for accelerators whose memory a copy would not fit.
 
 `C` is the most rows one replica sends another, rounded up to a ladder
 (`_chunk_rows`) so that the passes of a `fit` share one compiled program.

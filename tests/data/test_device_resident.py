@@ -493,18 +493,21 @@ def test_the_budget_decides_by_what_a_device_holds():
     # 37 rows of 6 float32 and an int32 label: 1036 bytes; batches of 8.
     assert _fit_layouts(None, X) == ["copy"]  # Default: up to 256 MiB a device.
     assert _fit_layouts(kd.InputOptions(device_resident_budget=1036), X) == ["copy"]
-    # No copy fits: split over 8 replicas, 130 bytes (of 1036) a device.
-    assert _fit_layouts(kd.InputOptions(device_resident_budget=1035), X) == ["rows"]
-    assert _fit_layouts(kd.InputOptions(device_resident_budget=130), X) == ["rows"]
-    assert _fit_layouts(kd.InputOptions(device_resident_budget=129), X) == []
-    # Read in order (blocks): its share, too.
+    # No copy fits: the host path (it beat the split layout on CPU devices).
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=1035), X) == []
+    # Read in order: blocks, 130 bytes (of 1036) a device.
     in_order = kd.InputOptions(device_resident_budget=130)
     assert _fit_layouts(in_order, X, shuffle=False) == ["blocks"]
-    assert _fit_layouts(in_order, X, shuffle="batch") == []  # Only a copy.
+    assert _fit_layouts(in_order, X, shuffle=True) == []
+    under = kd.InputOptions(device_resident_budget=129)
+    assert _fit_layouts(under, X, shuffle=False) == []
+    # Asked for, over the budget: shuffled data split by rows (unless only
+    # a copy serves: `shuffle="batch"`, batches of 10 rows for 8 replicas).
     forced = kd.InputOptions(device_resident=True, device_resident_budget=0)
     assert _fit_layouts(forced, X) == ["rows"]
+    assert _fit_layouts(forced, X, shuffle=False) == ["blocks"]
     assert _fit_layouts(forced, X, shuffle="batch") == ["copy"]
-    assert _fit_layouts(forced, X, batch_size=10) == ["copy"]  # 10: not 8k.
+    assert _fit_layouts(forced, X, batch_size=10) == ["copy"]
     assert _fit_layouts(kd.InputOptions(device_resident=False), X) == []
 
 
