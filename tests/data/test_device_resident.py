@@ -595,3 +595,32 @@ def test_a_shuffled_pass_over_blocks_is_refused_not_misread():
     tail = ResidentPass(strategy, data, iter([np.arange(30, 37)]), call=None)
     with pytest.raises(RuntimeError, match="reads rows before row 32"):
         next(tail)
+
+
+@pytest.mark.parametrize("resident", [True, "split"])
+@pytest.mark.parametrize("steps_per_epoch", [3, 7])  # Part of a pass; past it.
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_steps_per_epoch_equals_keras(resident, steps_per_epoch, shuffle):
+    # 37 rows, batches of 8: 5 a pass. Keras's epochs then cut across its
+    # passes (and runs out of data at 7 steps an epoch, as Keras does).
+    def fit(resident, callbacks=()):
+        keras.utils.set_random_seed(5)
+        model = _model(resident)
+        history = model.fit(
+            X,
+            Y,
+            batch_size=8,
+            epochs=3,
+            steps_per_epoch=steps_per_epoch,
+            shuffle=shuffle,
+            callbacks=list(callbacks),
+            verbose=0,
+        ).history
+        return history, model.get_weights()
+
+    spy = _Resident()
+    got = fit(resident, [spy])
+    assert spy.counts["fit"] == 1  # On the devices.
+    expected = fit(None)
+    assert_history_close(expected[0], got[0])
+    assert_weights_close(expected[1], got[1])
