@@ -17,12 +17,13 @@ full batches are laid out as blocks split over the replicas
 step takes its block; the rows of a partial last batch, fewer than a batch,
 are copied to every device and gathered as above.
 
-A dataset `fit` shuffles (`shuffle=True`) is not copied either: its rows are
-split over the replicas (`Strategy.place_rows`), and at its first batch a
-pass (an epoch) lays all its batches out from them at once, in its order, as
-blocks (`Strategy.exchange_rows`: one program, each row moved once); each
-step then takes its block, as in order. Only a `shuffle="batch"` dataset,
-whose order Keras draws batch by batch, is copied to every device.
+A dataset `fit` shuffles (`shuffle=True`) whose copy is over the budget,
+when asked for on the devices (`device_resident=True`), is not copied
+either: its rows are split over the replicas (`Strategy.place_rows`), and at
+its first batch a pass (an epoch) lays all its batches out from them at
+once, in its order, as blocks (`Strategy.exchange_rows`: one program, each
+row moved once); each step then takes its block, as in order
+(`_resident_data.resident_layout` chooses).
 
 The indices are the ones Keras's own batching gives for the same call (the
 same shuffle, the same NumPy random draws at the same moments; computed by

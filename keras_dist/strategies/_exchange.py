@@ -3,8 +3,8 @@
 A device-resident dataset that `fit` shuffles and that no device can hold
 whole is split over the replicas by rows (`ResidentPlacement.place_rows`):
 replica `r` holds rows `r * n ... (r + 1) * n - 1`, 1/replicas of it. At
-the start of each pass
-(an epoch), its batches in the pass's order are laid out once as blocks
+the start of each pass (an epoch), its batches in the pass's order are
+laid out once as blocks
 `(steps, batch, ...)` split over the replicas along the batch axis, as a
 dataset read in order is (`ResidentPlacement.place_blocks`): each step then
 takes its block (`take_block`), with no gather and no communication.
@@ -22,10 +22,10 @@ entry a row to transfer.
 On CPU devices the exchange costs more than the copy's gathers it replaces
 (the tiny benchmark model, 51 MB of data on 8 virtual devices: about 35 ms
 an epoch more, BR against BS in `benchmarks/README.md`), and the host path
-beat it too (BS with `--input host`). So data a device
-can hold is copied, data it cannot goes through the host, and the split
-layout is used when asked for (`device_resident=True` and a budget under a
-copy: `_resident_data.resident_layout`): it keeps 1/replicas of the data a
+beat it too (BS with `--input host`). So data a device can hold is copied,
+data it cannot goes through the host, and the split layout is used when
+asked for (`device_resident=True` and a budget under a copy:
+`_resident_data.resident_layout`): it keeps 1/replicas of the data a
 device, for accelerators whose memory a copy would not fit.
 
 `C` is the most rows one replica sends another, rounded up to a ladder

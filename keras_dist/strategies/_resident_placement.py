@@ -131,8 +131,8 @@ class ResidentPlacement:
     ) -> list[list[jax.Array]]:
         """Lays out groups of batches of rows `place_rows` split, as blocks.
 
-        One program (`_exchange.py`): each row moves once, with one
-        `all_to_all`.
+        One program (`_exchange.py`): each row moves once, with an
+        `all_to_all` a round.
 
         Args:
             rows: the arrays `place_rows` placed (flattened).
@@ -153,9 +153,8 @@ class ResidentPlacement:
             self.num_replicas_in_sync,
             round_rows=_ROUND_BYTES // max(row_bytes, 1),
         )
-        sharding = self._data_sharding
-        send = _place(plan.send, sharding(3))
-        receive = _place(plan.receive, sharding(2))
+        send = _place(plan.send, self._data_sharding(plan.send.ndim))
+        receive = _place(plan.receive, self._data_sharding(plan.receive.ndim))
         groups = exchange(self.mesh, rows, send, receive, plan.segments)
         self._pacer.after(groups)
         return groups
