@@ -624,3 +624,28 @@ def test_steps_per_epoch_equals_keras(resident, steps_per_epoch, shuffle):
     expected = fit(None)
     assert_history_close(expected[0], got[0])
     assert_weights_close(expected[1], got[1])
+
+
+@pytest.mark.parametrize("resident", [True, "split"])
+def test_class_weight_equals_keras(resident):
+    # Keras turns `class_weight` into per-row sample weights of the arrays.
+    def fit(resident, callbacks=()):
+        keras.utils.set_random_seed(9)
+        model = _model(resident)
+        history = model.fit(
+            X,
+            Y,
+            batch_size=8,
+            epochs=2,
+            class_weight={0: 0.5, 1: 2.0, 2: 1.0},
+            callbacks=list(callbacks),
+            verbose=0,
+        ).history
+        return history, model.get_weights()
+
+    spy = _Resident()
+    got = fit(resident, [spy])
+    assert spy.counts["fit"] == 1  # On the devices.
+    expected = fit(None)
+    assert_history_close(expected[0], got[0])
+    assert_weights_close(expected[1], got[1])
