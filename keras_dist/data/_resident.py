@@ -3,8 +3,9 @@
 For in-memory arrays given to `fit`/`evaluate`/`predict`, laying every batch
 out from the host (`_pipeline.InputPass`: slice rows, pad, transfer) is the
 per-step host work of a small model. When the strategy's
-`input_options.device_resident` allows it (by default: when the dataset takes
-at most `device_resident_budget` bytes), the whole dataset is copied to every
+`input_options.device_resident` allows it (by default: when what a device
+would hold takes at most `device_resident_budget` bytes;
+`_resident_data.resident_layout`), the whole dataset is copied to every
 device once instead (`Strategy.place_dataset`), and each step sends only the
 step's row indices: inside the step, each replica gathers its rows of the
 global batch from its own copy, with no communication (`Strategy.take_rows`,

@@ -57,6 +57,14 @@ class InputTarget(Protocol):
     def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
         """A dataset read in order as blocks split over the replicas, and its tail."""
 
+    def place_rows(self, data: Any) -> tuple[Any, int]:
+        """A dataset split over the replicas by rows, and the rows each holds."""
+
+    def exchange_rows(
+        self, rows: list, replica_rows: int, batches: list
+    ) -> list[list[Any]]:
+        """Groups of batches of `place_rows`'s rows, laid out as blocks."""
+
     def take_rows(self, dataset: list, indices: Any, *, blocked: bool = False) -> list:
         """Rows `indices` of a placed dataset, gathered on the devices.
 
