@@ -10,7 +10,10 @@ CONFIG is one of
          device_resident_budget=0)`): the data is split over the devices
          by rows, and each epoch lays its batches out once from them (one
          all_to_all); each step then takes its block, as in order
-    BS   B with shuffle=True: each step gathers its rows of the device-resident
+    BS   B with shuffle=True, the data copied to every device (a budget any
+         copy fits: on CPU devices the default budget counts the 8 copies
+         in the one RAM, and the tiny model's would go through the host):
+         each step gathers its rows of the device-resident
          data (every other configuration reads the data in order, which
          keras_dist lays out as blocks split over the devices)
     C    Keras 3's keras.distribution.DataParallel on the same devices, used
@@ -170,9 +173,9 @@ def run_keras_fit():
         strategy = kd.MirroredStrategy(list(devices))
     else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
-    if CONFIG == "BR":
+    if CONFIG in ("BS", "BR"):  # Copies; split by rows.
         strategy.input_options = kd.InputOptions(
-            device_resident=True, device_resident_budget=0
+            device_resident=True, device_resident_budget=2**40 if CONFIG == "BS" else 0
         )
     if CONFIG in ("A", "B", "B32", "BS") and os.environ.get(INPUT_ENV) == "host":
         strategy.input_options = kd.InputOptions(device_resident=False)

@@ -6,7 +6,7 @@ Trains each model at the same global batch in each configuration
     A    Keras fit, one device (OneDeviceStrategy)
     B    keras_dist MirroredStrategy fit, all devices
     B32  B with steps_per_execution=32
-    BS   B with shuffle=True (each step gathers its rows; the others read in order)
+    BS   B with shuffle=True, copied to every device (each step gathers its rows)
     BR   BS with the data split over the devices by rows (a budget no copy fits)
     C    keras.distribution.DataParallel, same devices, used as Keras
          documents it: built, compiled and fit inside its scope

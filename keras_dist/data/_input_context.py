@@ -121,9 +121,11 @@ class InputOptions:
             `benchmarks/README.md`). `False`: never. With several
             processes it is ignored (batches are laid out step by step, on
             a background thread).
-        device_resident_budget: the bytes of a dataset one device may hold:
-            the whole dataset for a copy, 1/replicas of it split. Defaults
-            to 256 MiB.
+        device_resident_budget: the bytes of a dataset one device's memory
+            may hold: the whole dataset for a copy, 1/replicas of it split.
+            CPU devices share the host's memory, which then holds every
+            device's part: a copy on each counts replicas times the dataset.
+            Defaults to 256 MiB.
         fuse_steps: with `steps_per_execution=N > 1` in `compile`, run each
             group of N batches of the same shapes as one compiled program
             (a `lax.scan` of the step): one dispatch per N steps instead of

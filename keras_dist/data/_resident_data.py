@@ -11,8 +11,10 @@ strategy's `InputOptions` and the dataset's size):
   for (`device_resident=True`): its rows split over the replicas
   (`Strategy.place_rows`); each pass lays its batches out from them once as
   blocks (`Strategy.exchange_rows`), and each step takes its block.
-The budget (`InputOptions.device_resident_budget`) is what one device may
-hold: the dataset for a copy, its share (1/replicas) split.
+The budget (`InputOptions.device_resident_budget`) is what one device's
+memory may hold: the dataset for a copy, its share (1/replicas) split; CPU
+devices share the host's memory, which holds all their parts (a copy on
+each: replicas times the dataset).
 """
 
 import dataclasses
@@ -63,6 +65,7 @@ def resident_layout(
     *,
     in_order: bool,
     splittable: bool,
+    shared_memory: bool = False,
 ) -> str | None:
     """How a dataset of `total_bytes` is laid out on the devices, or None.
 
@@ -75,6 +78,9 @@ def resident_layout(
         splittable: `fit` shuffles it whole each pass (`shuffle=True`), in
             batches of a multiple of `replicas` rows (then `ROWS` when
             `device_resident=True` and a copy is over the budget).
+        shared_memory: the devices share one memory (CPU devices: the
+            host's RAM), which then holds every device's part: a copy
+            costs `replicas` times the dataset, blocks the dataset.
 
     Returns:
         `BLOCKS`, `COPY` or `ROWS`; None: not on the devices (the host
@@ -86,10 +92,14 @@ def resident_layout(
         return None
     forced = options.device_resident is True
     budget = options.device_resident_budget
-    share = -(-total_bytes // max(replicas, 1))
+    replicas = max(replicas, 1)
+    if shared_memory:
+        share, copy = total_bytes, total_bytes * replicas
+    else:
+        share, copy = -(-total_bytes // replicas), total_bytes
     if in_order:
         return BLOCKS if forced or share <= budget else None
-    if total_bytes <= budget:
+    if copy <= budget:
         return COPY
     if not forced:
         # Measured on CPU devices, the host path beat the split layout for

@@ -21,6 +21,10 @@ class InputTarget(Protocol):
         """Replicas a global batch is split over (all processes)."""
 
     @property
+    def devices(self) -> tuple:
+        """The devices of the mesh (all processes)."""
+
+    @property
     def num_local_replicas(self) -> int:
         """Replicas on this process's devices."""
 

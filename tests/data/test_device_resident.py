@@ -20,7 +20,12 @@ import keras_dist as kd
 from keras_dist._keras_compat import _array_input
 from keras_dist.data import _call
 from keras_dist.data._resident import ResidentPass
-from keras_dist.data._resident_data import BLOCKS, ROWS, lay_out_resident
+from keras_dist.data._resident_data import (
+    BLOCKS,
+    ROWS,
+    lay_out_resident,
+    resident_layout,
+)
 from keras_dist.strategies import _resident_placement
 from keras_dist.strategies._exchange import plan_exchange
 from keras_dist.training._fused_steps import has_primitive
@@ -489,17 +494,18 @@ def _fit_layouts(options, x, shuffle=True, batch_size=8) -> list[str]:
     return layouts
 
 
-def test_the_budget_decides_by_what_a_device_holds():
-    # 37 rows of 6 float32 and an int32 label: 1036 bytes; batches of 8.
-    assert _fit_layouts(None, X) == ["copy"]  # Default: up to 256 MiB a device.
-    assert _fit_layouts(kd.InputOptions(device_resident_budget=1036), X) == ["copy"]
+def test_the_budget_decides_by_what_a_devices_memory_holds():
+    # 37 rows of 6 float32 and an int32 label: 1036 bytes; batches of 8. The
+    # 8 CPU devices share the host's memory: a copy on each costs 8288.
+    assert _fit_layouts(None, X) == ["copy"]  # Default: up to 256 MiB.
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=8288), X) == ["copy"]
     # No copy fits: the host path (it beat the split layout on CPU devices).
-    assert _fit_layouts(kd.InputOptions(device_resident_budget=1035), X) == []
-    # Read in order: blocks, 130 bytes (of 1036) a device.
-    in_order = kd.InputOptions(device_resident_budget=130)
+    assert _fit_layouts(kd.InputOptions(device_resident_budget=8287), X) == []
+    # Read in order: blocks, 8 parts of 130 bytes in the one memory.
+    in_order = kd.InputOptions(device_resident_budget=1036)
     assert _fit_layouts(in_order, X, shuffle=False) == ["blocks"]
     assert _fit_layouts(in_order, X, shuffle=True) == []
-    under = kd.InputOptions(device_resident_budget=129)
+    under = kd.InputOptions(device_resident_budget=1035)
     assert _fit_layouts(under, X, shuffle=False) == []
     # Asked for, over the budget: shuffled data split by rows (unless only
     # a copy serves: `shuffle="batch"`, batches of 10 rows for 8 replicas).
@@ -511,9 +517,32 @@ def test_the_budget_decides_by_what_a_device_holds():
     assert _fit_layouts(kd.InputOptions(device_resident=False), X) == []
 
 
+@pytest.mark.parametrize("shared_memory", [False, True])  # GPUs/TPUs; CPU.
+def test_the_budget_counts_each_memory(shared_memory):
+    def layout(budget, *, in_order=False, forced=None):
+        options = kd.InputOptions(device_resident=forced, device_resident_budget=budget)
+        return resident_layout(
+            options,
+            1000,
+            8,
+            in_order=in_order,
+            splittable=True,
+            shared_memory=shared_memory,
+        )
+
+    copy = 8000 if shared_memory else 1000  # A copy on each device.
+    share = 1000 if shared_memory else 125  # Its part of the blocks (or rows).
+    assert layout(copy) == "copy" and layout(copy - 1) is None
+    assert layout(share, in_order=True) == "blocks"
+    assert layout(share - 1, in_order=True) is None
+    assert layout(copy - 1, forced=True) == "rows"
+    assert layout(0, in_order=True, forced=True) == "blocks"
+    assert layout(10**9, forced=False) is None
+
+
 def test_float64_counts_as_floatx():
     # Keras casts float64 input to float32 before it reaches the devices.
-    options = kd.InputOptions(device_resident=None, device_resident_budget=1036)
+    options = kd.InputOptions(device_resident=None, device_resident_budget=8288)
     assert _fit_layouts(options, X.astype("float64")) == ["copy"]
 
 
