@@ -20,7 +20,7 @@ about a millisecond a pass of 16k rows, and two int32 tables of about one
 entry a row to transfer.
 
 On CPU devices the exchange costs more than the copy's gathers it replaces
-(the tiny benchmark model, 51 MB of data on 8 virtual devices: about 35 ms
+(the tiny benchmark model, 51 MB of data on 8 virtual devices: 20-35 ms
 an epoch more, BR against BS in `benchmarks/README.md`), and the host path
 beat it too (BS with `--input host`). So data a device can hold is copied,
 data it cannot goes through the host, and the split layout is used when
