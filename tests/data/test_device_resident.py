@@ -626,55 +626,39 @@ def test_a_shuffled_pass_over_blocks_is_refused_not_misread():
         next(tail)
 
 
+def _assert_fit_on_devices_equals_keras(resident, seed, **fit_kwargs):
+    """`fit` of `X, Y` on the devices gives Keras's history and weights."""
+
+    def fit(resident, callbacks=()):
+        keras.utils.set_random_seed(seed)
+        model = _model(resident)
+        history = model.fit(
+            X, Y, batch_size=8, callbacks=list(callbacks), verbose=0, **fit_kwargs
+        ).history
+        return history, model.get_weights()
+
+    spy = _Resident()
+    got = fit(resident, [spy])
+    assert spy.counts["fit"] == 1  # On the devices.
+    expected = fit(None)
+    assert_history_close(expected[0], got[0])
+    assert_weights_close(expected[1], got[1])
+
+
 @pytest.mark.parametrize("resident", [True, "split"])
 @pytest.mark.parametrize("steps_per_epoch", [3, 7])  # Part of a pass; past it.
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_steps_per_epoch_equals_keras(resident, steps_per_epoch, shuffle):
     # 37 rows, batches of 8: 5 a pass. Keras's epochs then cut across its
     # passes (and runs out of data at 7 steps an epoch, as Keras does).
-    def fit(resident, callbacks=()):
-        keras.utils.set_random_seed(5)
-        model = _model(resident)
-        history = model.fit(
-            X,
-            Y,
-            batch_size=8,
-            epochs=3,
-            steps_per_epoch=steps_per_epoch,
-            shuffle=shuffle,
-            callbacks=list(callbacks),
-            verbose=0,
-        ).history
-        return history, model.get_weights()
-
-    spy = _Resident()
-    got = fit(resident, [spy])
-    assert spy.counts["fit"] == 1  # On the devices.
-    expected = fit(None)
-    assert_history_close(expected[0], got[0])
-    assert_weights_close(expected[1], got[1])
+    _assert_fit_on_devices_equals_keras(
+        resident, 5, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=shuffle
+    )
 
 
 @pytest.mark.parametrize("resident", [True, "split"])
 def test_class_weight_equals_keras(resident):
     # Keras turns `class_weight` into per-row sample weights of the arrays.
-    def fit(resident, callbacks=()):
-        keras.utils.set_random_seed(9)
-        model = _model(resident)
-        history = model.fit(
-            X,
-            Y,
-            batch_size=8,
-            epochs=2,
-            class_weight={0: 0.5, 1: 2.0, 2: 1.0},
-            callbacks=list(callbacks),
-            verbose=0,
-        ).history
-        return history, model.get_weights()
-
-    spy = _Resident()
-    got = fit(resident, [spy])
-    assert spy.counts["fit"] == 1  # On the devices.
-    expected = fit(None)
-    assert_history_close(expected[0], got[0])
-    assert_weights_close(expected[1], got[1])
+    _assert_fit_on_devices_equals_keras(
+        resident, 9, epochs=2, class_weight={0: 0.5, 1: 2.0, 2: 1.0}
+    )
