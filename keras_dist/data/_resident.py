@@ -44,6 +44,7 @@ import numpy as np
 from keras_dist.data._batch_group import BatchGroup
 from keras_dist.data._call import CallState
 from keras_dist.data._partial_batch import round_up
+from keras_dist.data._pass_layout import PassLayout, lay_out_pass, not_blocks
 from keras_dist.data._resident_batch import ResidentBatch
 from keras_dist.data._resident_data import ResidentData
 from keras_dist.data._target import InputTarget
@@ -55,15 +56,12 @@ class ResidentPass:
     """One pass over a `ResidentData`: `ResidentBatch`es, gathered in the step.
 
     With `read_ahead`, the pass reads all its index batches when its first
-    batch is asked for, and lays the full ones out at once, as one table
-    (`Strategy.shard_steps`); each step then names its row with a number
-    already on the devices (`Strategy.step_numbers`) and transfers nothing.
-    Over a dataset laid out as blocks (read only in its order), there is
-    no table: the number names the step's block, taken on each device. Over
-    a dataset split by rows (shuffled), the pass lays its batches out as
-    blocks first, from the rows (`Strategy.exchange_rows`).
-    Without it (Keras draws a batch's order when the batch is read:
-    `shuffle="batch"`), each step transfers its own indices.
+    batch is asked for, and lays out at once what its steps then name with
+    a number already on the devices (`Strategy.step_numbers`), transferring
+    nothing: a table of the full batches' indices, or blocks
+    (`_pass_layout.lay_out_pass`). Without it (Keras draws a batch's order
+    when the batch is read: `shuffle="batch"`), each step transfers its own
+    indices.
 
     Args:
         strategy: where the dataset lives.
@@ -97,15 +95,8 @@ class ResidentPass:
         self._first = True
         self._read_ahead = read_ahead
         self._position = 0  # Batches taken so far.
-        self._table: Any = None  # The full batches' indices, laid out at once.
-        self._table_steps = 0
-        # What a step number names: rows of `_table` in `_table_arrays` (a
-        # copy), or blocks of `_table_arrays` (`blocked`).
-        self._blocked = resident.block_rows is not None or split
-        self._table_arrays = resident.arrays
-        # A split dataset's batches after the table's, laid out with it:
-        # (blocks of one batch, real rows or None).
-        self._rest: list | None = None
+        # What step numbers name; nothing until the pass is read ahead.
+        self._layout = PassLayout(resident.arrays, resident.block_rows is not None)
         # Per step, only the indices change: what does not is read once.
         self._replicas = strategy.num_replicas_in_sync
         # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
@@ -136,11 +127,12 @@ class ResidentPass:
         by a kept step number: nothing to transfer. Otherwise laid out from
         its indices.
         """
-        if position < self._table_steps:
+        layout = self._layout
+        if position < layout.steps:
             number = self._strategy.step_numbers(position + 1)[position]
             return self._from_table(number)
-        if self._rest is not None:  # Laid out with the table (split rows).
-            blocks, num_real = self._rest[position - self._table_steps]
+        if layout.rest is not None:  # Laid out with the table (split rows).
+            blocks, num_real = layout.rest[position - layout.steps]
             first = self._strategy.step_numbers(1)[0]
             return ResidentBatch(
                 blocks,
@@ -155,14 +147,15 @@ class ResidentPass:
 
     def _from_table(self, number: Any) -> ResidentBatch:
         """The batch a step number names: a row of the table, or a block."""
+        layout = self._layout
         return ResidentBatch(
-            self._table_arrays,
-            self._table,
+            layout.arrays,
+            layout.table,
             self._resident.treedef,
             None,
             self._strategy.take_rows,
             number,
-            self._blocked,
+            layout.blocked,
         )
 
     def next_group(self, count: int) -> BatchGroup | list:
@@ -181,14 +174,14 @@ class ResidentPass:
         if not group:
             raise StopIteration
         size = len(group[0])
-        if len(group) == count and position + count <= self._table_steps:
+        if len(group) == count and position + count <= self._layout.steps:
             # Rows of the pass's table: one vector of step numbers, kept.
             if self._table_form is None:
                 self._table_form = _group_form(self._from_table(0))
             self._record(start, size, count)
             rows = self._strategy.step_range(position, count)
             return BatchGroup(*self._table_form, (rows,))
-        uneven = size % self._replicas or self._blocked
+        uneven = size % self._replicas or self._layout.blocked
         if len(group) < count or uneven or any(len(i) != size for i in group):
             batches = [
                 self._at(position + i, indices) for i, indices in enumerate(group)
@@ -205,72 +198,14 @@ class ResidentPass:
         """The next `count` index batches (fewer at the end of the pass)."""
         if self._read_ahead:
             self._read_ahead = False
-            self._lay_out_table()
+            batches = list(self._indices)
+            self._indices = iter(batches)
+            self._layout = lay_out_pass(self._strategy, self._resident, batches)
         taken = list(itertools.islice(self._indices, count))
         self._position += len(taken)
         if not taken:
             self.close()
         return taken
-
-    def _lay_out_table(self) -> None:
-        """Reads the whole pass; lays its leading full batches out as one table.
-
-        Unless the dataset is laid out as blocks (read only in its order:
-        `shuffle=False`, `evaluate`, `predict`): then a step number names
-        its block, and the pass must be those blocks, in order.
-        """
-        batches = list(self._indices)
-        self._indices = iter(batches)
-        if self._resident.replica_rows is not None:
-            self._exchange(batches)
-            return
-        size = len(batches[0]) if batches else 0
-        if not size or size % self._replicas:
-            return  # Every batch padded: laid out one by one.
-        steps = next((i for i, b in enumerate(batches) if len(b) != size), len(batches))
-        table = np.stack(batches[:steps])
-        self._table_steps = steps
-        block_rows = self._resident.block_rows
-        if block_rows is None:
-            self._table = self._strategy.shard_steps(table)
-            return
-        in_order = np.array_equal(table.ravel(), np.arange(table.size))
-        if not (in_order and size == block_rows):
-            order = "" if in_order else " out of order"
-            raise _not_blocks(
-                block_rows, f"this pass reads batches of {size} rows{order}"
-            )
-
-    def _exchange(self, batches: list[np.ndarray]) -> None:
-        """Lays every batch of the pass out from the split rows, at once.
-
-        The leading full batches as the table's blocks, each one after them
-        (a partial last batch, padded with -1) as a block of its own.
-        """
-        replicas = self._replicas
-        size = len(batches[0]) if batches else 0
-        steps = 0
-        if size and size % replicas == 0:
-            steps = next(
-                (i for i, b in enumerate(batches) if len(b) != size), len(batches)
-            )
-        groups = [np.stack(batches[:steps])] if steps else []
-        real = []
-        for indices in batches[steps:]:
-            padded = round_up(len(indices), replicas)
-            pad = np.full(padded - len(indices), -1, np.int32)
-            groups.append(np.concatenate([indices, pad])[None])
-            real.append(len(indices) if padded != len(indices) else None)
-        if not groups:
-            return
-        resident = self._resident
-        laid = self._strategy.exchange_rows(
-            resident.arrays, resident.replica_rows, groups
-        )
-        if steps:
-            self._table_arrays, laid = laid[0], laid[1:]
-            self._table_steps = steps
-        self._rest = list(zip(laid, real, strict=True))
 
     def _lay_out(self, indices: np.ndarray) -> ResidentBatch:
         size = len(indices)
@@ -278,7 +213,7 @@ class ResidentPass:
         if block_rows is not None:  # Rows after the blocks: the tail's.
             first = len(self._resident.arrays[0]) * block_rows
             if size and indices.min() < first:
-                raise _not_blocks(
+                raise not_blocks(
                     block_rows, f"a batch of {size} rows reads rows before row {first}"
                 )
             indices = indices - first
@@ -317,17 +252,8 @@ class ResidentPass:
         A split dataset's pass laid its batches out (as much memory as the
         dataset): freed before the next pass lays out its own.
         """
-        self._table_arrays = self._table = self._rest = None
+        self._layout = PassLayout(None, self._layout.blocked)
         self._table_form = None
-
-
-def _not_blocks(block_rows: int, what: str) -> RuntimeError:
-    """A pass that blocks laid out for passes in order cannot serve (a bug)."""
-    return RuntimeError(
-        "keras_dist laid this dataset out for passes in its order, as blocks "
-        f"of {block_rows} rows, but {what}. Please report it; pass "
-        "`kd.InputOptions(device_resident=False)` meanwhile."
-    )
 
 
 def _group_form(batch: ResidentBatch) -> tuple:
