@@ -5,8 +5,10 @@ strategy's `InputOptions` and the dataset's size):
 - `BLOCKS`, read only in its own order: its full batches split over the
   replicas as blocks and the rows after them copied to every device
   (`Strategy.place_blocks`); each step takes its block.
-- `COPY`, shuffled, when a device can hold it all: copied to every device
-  (`Strategy.place_dataset`); each step gathers its rows from its copy.
+- `COPY`, shuffled, when a copy on every device fits the budget (or when
+  asked for, `device_resident=True`, and only a copy serves): copied to
+  every device (`Strategy.place_dataset`); each step gathers its rows from
+  its copy.
 - `ROWS`, shuffled by `fit` (`shuffle=True`), too big to copy, and asked
   for (`device_resident=True`): its rows split over the replicas
   (`Strategy.place_rows`); each pass lays its batches out from them once as
