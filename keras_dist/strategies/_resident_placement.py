@@ -1,8 +1,10 @@
 """Device-resident datasets on a strategy's mesh: placed once, taken in the step.
 
 The strategy side of `keras_dist/data/_resident.py`: a dataset copied to
-every device (`place_dataset`) or split over the replicas as blocks of
-batches (`place_blocks`), the kept step numbers that name a step's batch
+every device (`place_dataset`), split over the replicas as blocks of
+batches (`place_blocks`), or split by rows (`place_rows`) with each pass
+laid out as blocks from them (`exchange_rows`, the program in
+`_exchange.py`); the kept step numbers that name a step's batch
 (`step_numbers`, `step_range`), and the take of a batch inside the step
 (`take_rows`, with the device programs in `_take_rows.py`).
 """
