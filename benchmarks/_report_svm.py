@@ -16,6 +16,8 @@ NAMES = {
     "D": "tf.distribute.MirroredStrategy (TF backend)",
     "E": "hand-written jax.jit + optax (limit)",
     "E32": "hand-written, 32 steps per dispatch (lax.scan; limit of B32)",
+    "EK": "hand-written jax.jit + Keras's Adam (limit for Keras's step math)",
+    "EK32": "hand-written, 32 steps per dispatch, Keras's Adam",
     "F": "keras_dist custom loop (strategy.run)",
 }
 

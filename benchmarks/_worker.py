@@ -33,6 +33,10 @@ CONFIG is one of
     E32  the limit of 32 steps per dispatch: E's step in a jax.lax.scan over
          32 batches stacked on the devices, each step's batch constrained to
          E's layout (what B32 is measured against)
+    EK   E with Keras's Adam (`optimizer.stateless_apply`) in place of
+         optax's: the limit for the step math Keras runs (B's), so that
+         B/EK is what keras_dist's fit adds and EK/E what Keras's Adam costs
+    EK32 E32 with Keras's Adam
     F    keras_dist custom training loop (strategy.run) on the same mesh
 
 Every configuration trains MODEL on the same synthetic data at the same global
@@ -231,13 +235,28 @@ def run_jax_loop():
     optimizer = optax.adam(1e-3)
     trainable = [v.value for v in model.trainable_variables]
     non_trainable = [v.value for v in model.non_trainable_variables]
+    keras_adam = None
+    if CONFIG in ("EK", "EK32"):  # Keras's Adam, as B's compile builds it.
+        keras_adam = keras.optimizers.Adam(1e-3)
+        keras_adam.build(model.trainable_variables)
 
-    if CONFIG in ("E", "E32"):
+    def init_optimizer(trainable):
+        if keras_adam is None:
+            return optimizer.init(trainable)
+        return [v.value for v in keras_adam.variables]
+
+    def apply_gradients(grads, opt_state, trainable):
+        if keras_adam is None:
+            updates, opt_state = optimizer.update(grads, opt_state, trainable)
+            return optax.apply_updates(trainable, updates), opt_state
+        return keras_adam.stateless_apply(opt_state, grads, trainable)
+
+    if CONFIG in ("E", "E32", "EK", "EK32"):
         mesh = Mesh(np.array(devices), ("batch",))
         replicated = NamedSharding(mesh, PartitionSpec())
-        per_dispatch = 32 if CONFIG == "E32" else 1
+        per_dispatch = 32 if CONFIG.endswith("32") else 1
         if STEPS % per_dispatch:
-            sys.exit(f"E32 runs 32 steps a dispatch. Received: STEPS={STEPS}.")
+            sys.exit(f"{CONFIG} runs 32 steps a dispatch. Received: STEPS={STEPS}.")
         batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
 
         def step(state, xb, yb):
@@ -252,12 +271,8 @@ def run_jax_loop():
             (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
                 trainable
             )
-            updates, opt_state = optimizer.update(grads, opt_state, trainable)
-            return loss, (
-                optax.apply_updates(trainable, updates),
-                non_trainable,
-                opt_state,
-            )
+            trainable, opt_state = apply_gradients(grads, opt_state, trainable)
+            return loss, (trainable, non_trainable, opt_state)
 
         def scanned(state, xs, ys):  # `per_dispatch` steps, one program.
             def body(state, batch):
@@ -272,7 +287,7 @@ def run_jax_loop():
 
         steps = jax.jit(step if per_dispatch == 1 else scanned)
         state = jax.device_put(
-            (trainable, non_trainable, optimizer.init(trainable)), replicated
+            (trainable, non_trainable, init_optimizer(trainable)), replicated
         )
         groups = STEPS // per_dispatch
         shape = (groups, per_dispatch, BATCH)
@@ -341,7 +356,8 @@ def run_jax_loop():
 
 def main():
     runner = dict.fromkeys(("A", "B", "B32", "BS", "BR", "C", "C0"), run_keras_fit)
-    runner.update(D=run_tf_fit, E=run_jax_loop, E32=run_jax_loop, F=run_jax_loop)
+    runner.update(dict.fromkeys(("E", "E32", "EK", "EK32", "F"), run_jax_loop))
+    runner.update(D=run_tf_fit)
     seconds, loss, report = runner[CONFIG]()
     timed = seconds[1:]
     result = {

@@ -14,6 +14,8 @@ Trains each model at the same global batch in each configuration
     D    tf.distribute.MirroredStrategy + Keras on the TF backend (if installed)
     E    the limit: hand-written jax.jit + optax step, data on device ahead of time
     E32  the limit of 32 steps per dispatch: E's step in a lax.scan of 32 steps
+    EK   E with Keras's Adam (stateless_apply): the limit for B's step math
+    EK32 E32 with Keras's Adam
     F    keras_dist custom training loop (strategy.run), same mesh
 
 then B over 1, 2, 4, 8 devices (scaling). Every configuration runs `--repeats`
@@ -42,7 +44,7 @@ from _report_svm import markdown, plot
 from _runs import combine_runs, machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
-CONFIGS = ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "E32", "F"]
+CONFIGS = ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "E32", "EK", "EK32", "F"]
 BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 # Steps per epoch: tiny takes ~1-3 ms a step, so it needs more of them to be
 # timed at all, and at least 32 for B32's executions of 32 steps.
@@ -154,6 +156,9 @@ def _ratio(rows, model, top, bottom, scale=1.0):
 
 RATIOS = (("B", "A"), ("B", "C"), ("B", "C0"), ("B", "D"), ("B", "E"))
 RATIOS += (("B32", "E"), ("B32", "E32"), ("BS", "B"), ("BR", "BS"), ("F", "E"))
+# What keras_dist's fit adds to the step math Keras runs, and what Keras's
+# Adam costs against optax's (EK: the hand-written loop with Keras's Adam).
+RATIOS += (("B", "EK"), ("B32", "EK32"), ("EK", "E"))
 
 
 def targets(rows: dict, models) -> list:
@@ -235,7 +240,7 @@ def main(argv=None) -> dict:
         (c, m, args.devices)
         for m in models
         for c in configs
-        if c != "E32" or args.steps_of[m] % 32 == 0  # 32 steps a dispatch.
+        if c not in ("E32", "EK32") or args.steps_of[m] % 32 == 0  # 32 a dispatch.
     ]
     counts = [int(v) for v in args.scaling.split(",") if v]
     jobs += [("B", scaling_model, n) for n in counts if n != args.devices]

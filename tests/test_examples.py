@@ -63,8 +63,8 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     assert "1 runs per configuration (< 5): indicative only" in out
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
     rows = {row["config"]: row for row in payload["rows"]}
-    # E32 needs steps in multiples of 32: left out of a 2-step run.
-    assert list(rows) == ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "F"]
+    # E32 and EK32 need steps in multiples of 32: left out of a 2-step run.
+    assert list(rows) == ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "EK", "F"]
     for row in rows.values():
         assert "error" not in row, row
         assert row["model"] == "tiny" and row["steps"] == 2
@@ -83,6 +83,10 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     assert rows["BS"]["final_loss"] != rows["B"]["final_loss"]  # Shuffled.
     # The same shuffle, from the split rows: the same numbers as the copy.
     assert rows["BR"]["final_loss"] == rows["BS"]["final_loss"]
+    # EK is E with Keras's Adam: the same model and data, another optimizer
+    # (epsilon 1e-7 against optax's 1e-8): close, not equal.
+    e, ek = rows["E"]["final_loss"], rows["EK"]["final_loss"]
+    assert e != ek and abs(e - ek) < 1e-3 * e
     assert set(rows["B"]["scaling_report"]) == {
         "compile_seconds",
         "input_ms_per_step",
@@ -90,13 +94,17 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     }
     analysis = payload["analysis"]
     ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "BS/B"]
-    ratios += ["BR/BS", "F/E"]
+    ratios += ["BR/BS", "F/E", "B/EK", "B32/EK32", "EK/E"]
     assert list(analysis["ratios"]["tiny"]) == ratios
     assert sorted(int(n) for n in analysis["scaling"]) == [1, 8]
     names = [t["target"] for t in analysis["targets"]]
     limits = ["B/E <= 1)", "B/C <= 1)", "B32/E <= 1/3)", "B32/E32 <= 1)"]
     assert [n.split(" (")[-1] for n in names] == limits
     assert analysis["ratios"]["tiny"]["B32/E32"] is None  # No E32 row.
+    assert analysis["ratios"]["tiny"]["B32/EK32"] is None
+    assert analysis["ratios"]["tiny"]["B/EK"] == pytest.approx(
+        rows["B"]["ms_median"] / rows["EK"]["ms_median"]
+    )
     for t in analysis["targets"]:
         verdict = "PASS" if t["pass"] else "MISS"
         if t["value"] is None:
@@ -108,6 +116,39 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     assert "C0 Keras DataParallel, fit outside the scope (pitfall" in text
     assert text.count("| tiny |") >= 9
     assert (tmp_path / "single_vs_mirrored.png").stat().st_size > 10_000
+
+
+def test_optimizer_benchmark_writes_its_table(tmp_path):
+    """The Adam benchmark: every update on each shape, a table and the JSON."""
+    args = ["--devices", "1", "--shapes", "16x4,32", "--repeats", "2"]
+    out = _run(["benchmarks/optimizer_update.py", *args, "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "optimizer_update.json").read_text())
+    rows = [(r["devices"], r["shape"], r["update"]) for r in payload["rows"]]
+    updates = ["keras", "optax", "keras-form", "optax-form"]
+    assert rows == [(1, s, u) for s in ("16x4", "32") for u in updates]
+    for r in payload["rows"]:
+        assert len(r["samples"]) == 2
+        assert 0 < r["us_min"] <= r["us_median"] <= r["us_max"]
+    assert set(payload["versions"]) == {"jax", "keras", "optax"}
+    assert "| 1 | 16x4 | optax |" in out and out.count("| 1.00 |") >= 2
+    assert out == (tmp_path / "optimizer_update.md").read_text() + "\n"
+
+
+def test_optimizer_benchmark_names_a_bad_shape(tmp_path):
+    with pytest.raises(
+        AssertionError,
+        match=r"--shapes takes sizes like 784x10\. "
+        r"Received: '7by3'",
+    ):
+        _run(
+            [
+                "benchmarks/optimizer_update.py",
+                "--shapes",
+                "7by3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
 
 
 @pytest.mark.slow

@@ -1,0 +1,237 @@
+"""Keras's Adam against optax's Adam: one update, fused in a loop, per device count.
+
+B32 (keras_dist fit, 32 steps a dispatch) runs Keras's step; E32, the
+hand-written limit, runs optax's Adam. Their programs are op for op alike,
+yet E32 is faster on CPU devices. This benchmark isolates the optimizer: a
+`lax.scan` of 32 Adam updates of one weight of each `--shapes` shape (the
+tiny model's kernel is 784x10), each from its own random gradient,
+replicated on 1 and on 8 devices, as in the training benchmark. Four
+updates:
+
+    keras        keras.optimizers.Adam(1e-3).stateless_apply
+    optax        optax.adam(1e-3)
+    keras-form   Keras's formula written in jax.numpy:
+                 p - m * alpha / (sqrt(v) + eps), alpha = lr sqrt(1-b2^t) / (1-b1^t)
+    optax-form   optax's formula, Keras's constants:
+                 p - lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps)
+
+Each device count runs in a fresh process (XLA_FLAGS must be set before JAX
+starts); within it, `--repeats` rounds alternate the updates, 50 programs of
+32 updates each a sample. Prints microseconds per update (median and min-max
+over the rounds) and writes `results/optimizer_update.{json,md}`.
+
+    python benchmarks/optimizer_update.py     # 1 and 8 devices; 784x10, 784x128
+    python benchmarks/optimizer_update.py --devices 1,2,8 --shapes 784x10,784x16
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+from _runs import machine
+
+HERE = pathlib.Path(__file__).resolve().parent
+UPDATES = ("keras", "optax", "keras-form", "optax-form")
+STEPS, CALLS = 32, 50
+
+
+def _measure(devices: int, shape: tuple, repeats: int) -> dict:
+    """In this (fresh) process: update -> microseconds per update, per round."""
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["KERAS_BACKEND"] = "jax"
+    import jax
+    import jax.numpy as jnp
+    import keras
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
+    variables = [keras.Variable(np.zeros(shape, "float32"), name="kernel")]
+    weights = [v.value for v in variables]
+    keras_adam = keras.optimizers.Adam(1e-3)
+    keras_adam.build(variables)
+    optax_adam = optax.adam(1e-3)
+    lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-7
+
+    def by_formula(optax_form):
+        def update(state, grads):
+            params, (count, ms, vs) = state
+            t = (count + 1).astype("float32")
+            ms = [m + (g - m) * (1 - b1) for m, g in zip(ms, grads, strict=True)]
+            vs = [v + (g * g - v) * (1 - b2) for v, g in zip(vs, grads, strict=True)]
+            c1, c2 = 1 - b1**t, 1 - b2**t
+            if optax_form:
+                params = [
+                    p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)
+                    for p, m, v in zip(params, ms, vs, strict=True)
+                ]
+            else:
+                alpha = lr * jnp.sqrt(c2) / c1
+                params = [
+                    p - m * alpha / (jnp.sqrt(v) + eps)
+                    for p, m, v in zip(params, ms, vs, strict=True)
+                ]
+            return params, (count + 1, ms, vs)
+
+        zeros = [jnp.zeros_like(w) for w in weights]
+        return update, (weights, (jnp.int32(0), zeros, zeros))
+
+    def keras_update(state, grads):
+        params, opt = state
+        return keras_adam.stateless_apply(opt, grads, params)
+
+    def optax_update(state, grads):
+        params, opt = state
+        updates, opt = optax_adam.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    cases = {
+        "keras": (keras_update, (weights, [v.value for v in keras_adam.variables])),
+        "optax": (optax_update, (weights, optax_adam.init(weights))),
+        "keras-form": by_formula(optax_form=False),
+        "optax-form": by_formula(optax_form=True),
+    }
+    rng = np.random.default_rng(0)
+    grads = jax.device_put(
+        [rng.normal(0, 1e-2, (STEPS, *w.shape)).astype("float32") for w in weights],
+        replicated,
+    )
+    programs, states = {}, {}
+    for name, (update, state) in cases.items():
+
+        def fused(state, grads, update=update):
+            def body(state, step_grads):
+                return update(state, step_grads), None
+
+            return jax.lax.scan(body, state, grads)[0]
+
+        programs[name] = jax.jit(fused)
+        states[name] = jax.block_until_ready(
+            programs[name](jax.device_put(state, replicated), grads)
+        )
+    rounds = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, program in programs.items():
+            state = states[name]
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                state = program(state, grads)
+            states[name] = jax.block_until_ready(state)
+            seconds = time.perf_counter() - start
+            rounds[name].append(seconds / (CALLS * STEPS) * 1e6)
+    versions = {m.__name__: m.__version__ for m in (jax, keras, optax)}
+    return {"rounds": rounds, "versions": versions}
+
+
+def _shape(text: str) -> tuple:
+    """`784x10` -> (784, 10), or exit naming the argument."""
+    try:
+        shape = tuple(int(v) for v in text.split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        sys.exit(f"--shapes takes sizes like 784x10. Received: {text!r}.")
+    return shape
+
+
+def _row(devices: int, shape: str, name: str, samples: list) -> dict:
+    return {
+        "devices": devices,
+        "shape": shape,
+        "update": name,
+        "us_median": statistics.median(samples),
+        "us_min": min(samples),
+        "us_max": max(samples),
+        "samples": samples,
+    }
+
+
+def markdown(payload: dict) -> str:
+    out = [
+        f"Measured {payload['date']} on {payload['machine']}, "
+        + ", ".join(f"{k} {v}" for k, v in payload["versions"].items())
+        + ": "
+        f"`{payload['command']}`. A sample is {CALLS} programs of {STEPS} "
+        f"fused updates; median and min-max over {payload['repeats']} "
+        "alternating rounds.",
+        "",
+        "| devices | shape | update | us/update (median) | min-max | / optax |",
+        "|---:|---|---|---:|---:|---:|",
+    ]
+    for r in payload["rows"]:
+        base = next(
+            x["us_median"]
+            for x in payload["rows"]
+            if (x["devices"], x["shape"], x["update"])
+            == (r["devices"], r["shape"], "optax")
+        )
+        out.append(
+            f"| {r['devices']} | {r['shape']} | {r['update']} | {r['us_median']:.1f} | "
+            f"{r['us_min']:.1f}-{r['us_max']:.1f} | {r['us_median'] / base:.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--devices", default="1,8", help="comma list of device counts")
+    p.add_argument("--shapes", default="784x10,784x128", help="comma list")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--measure", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    shapes = args.shapes.split(",")
+    sizes = {shape: _shape(shape) for shape in shapes}  # Checked before any run.
+    if args.measure is not None:  # The fresh process of one device count.
+        measured = {
+            shape: _measure(args.measure, sizes[shape], args.repeats)
+            for shape in shapes
+        }
+        print("ROUNDS " + json.dumps(measured))
+        return {}
+    start = datetime.datetime.now(datetime.UTC)
+    rows = []
+    for devices in [int(v) for v in args.devices.split(",")]:
+        command = [sys.executable, __file__, "--measure", str(devices)]
+        done = subprocess.run(
+            [*command, "--shapes", args.shapes, "--repeats", str(args.repeats)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        line = next(x for x in done.stdout.splitlines() if x.startswith("ROUNDS "))
+        measured = json.loads(line.removeprefix("ROUNDS "))
+        rows += [
+            _row(devices, shape, name, measured[shape]["rounds"][name])
+            for shape in shapes
+            for name in UPDATES
+        ]
+    payload = {
+        "benchmark": "optimizer_update",
+        "date": start.strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine("cpu", max(r["devices"] for r in rows)),
+        "versions": measured[shapes[0]]["versions"],
+        "command": "python benchmarks/optimizer_update.py "
+        + " ".join(argv or sys.argv[1:]),
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "optimizer_update.json").write_text(json.dumps(payload, indent=1))
+    text = markdown(payload)
+    (out / "optimizer_update.md").write_text(text)
+    print(text)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
