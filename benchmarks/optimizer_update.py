@@ -32,6 +32,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from _runs import machine
@@ -41,9 +42,17 @@ UPDATES = ("keras", "optax", "keras-form", "optax-form")
 STEPS, CALLS = 32, 50
 
 
-def _measure(devices: int, shape: tuple, repeats: int) -> dict:
-    """In this (fresh) process: update -> microseconds per update, per round."""
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
+    """In this (fresh) process: update -> microseconds per update, per round.
+
+    XLA dumps the programs' optimized LLVM IR to `dump` (this process's
+    first call sets the flags), from which `_vector_ops` counts what LLVM
+    vectorized.
+    """
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={devices} "
+        f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*adam_.*"
+    )
     os.environ["KERAS_BACKEND"] = "jax"
     import jax
     import jax.numpy as jnp
@@ -103,7 +112,7 @@ def _measure(devices: int, shape: tuple, repeats: int) -> dict:
         [rng.normal(0, 1e-2, (STEPS, *w.shape)).astype("float32") for w in weights],
         replicated,
     )
-    programs, states = {}, {}
+    programs, states, modules = {}, {}, {}
     for name, (update, state) in cases.items():
 
         def fused(state, grads, update=update):
@@ -112,6 +121,8 @@ def _measure(devices: int, shape: tuple, repeats: int) -> dict:
 
             return jax.lax.scan(body, state, grads)[0]
 
+        size = "x".join(map(str, shape))
+        fused.__name__ = modules[name] = f"adam_{name.replace('-', '_')}_{size}"
         programs[name] = jax.jit(fused)
         states[name] = jax.block_until_ready(
             programs[name](jax.device_put(state, replicated), grads)
@@ -127,7 +138,14 @@ def _measure(devices: int, shape: tuple, repeats: int) -> dict:
             seconds = time.perf_counter() - start
             rounds[name].append(seconds / (CALLS * STEPS) * 1e6)
     versions = {m.__name__: m.__version__ for m in (jax, keras, optax)}
-    return {"rounds": rounds, "versions": versions}
+    vector_ops = {name: _vector_ops(dump, module) for name, module in modules.items()}
+    return {"rounds": rounds, "versions": versions, "vector_ops": vector_ops}
+
+
+def _vector_ops(dump: str, module: str) -> int:
+    """Vector values (`<N x float>`) in the optimized LLVM IR of `module`'s kernels."""
+    kernels = pathlib.Path(dump).glob(f"*.jit_{module}.*ir-with-opt.ll")
+    return sum(path.read_text().count(" x float>") for path in kernels)
 
 
 def _shape(text: str) -> tuple:
@@ -141,10 +159,12 @@ def _shape(text: str) -> tuple:
     return shape
 
 
-def _row(devices: int, shape: str, name: str, samples: list) -> dict:
+def _row(devices: int, shape: str, name: str, measured: dict) -> dict:
+    samples = measured["rounds"][name]
     return {
         "devices": devices,
         "shape": shape,
+        "vector_ops": measured["vector_ops"][name],
         "update": name,
         "us_median": statistics.median(samples),
         "us_min": min(samples),
@@ -162,8 +182,9 @@ def markdown(payload: dict) -> str:
         f"fused updates; median and min-max over {payload['repeats']} "
         "alternating rounds.",
         "",
-        "| devices | shape | update | us/update (median) | min-max | / optax |",
-        "|---:|---|---|---:|---:|---:|",
+        "| devices | shape | update | us/update (median) | min-max | / optax "
+        "| vector values in its LLVM IR |",
+        "|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         base = next(
@@ -174,7 +195,8 @@ def markdown(payload: dict) -> str:
         )
         out.append(
             f"| {r['devices']} | {r['shape']} | {r['update']} | {r['us_median']:.1f} | "
-            f"{r['us_min']:.1f}-{r['us_max']:.1f} | {r['us_median'] / base:.2f} |"
+            f"{r['us_min']:.1f}-{r['us_max']:.1f} | {r['us_median'] / base:.2f} | "
+            f"{r['vector_ops']} |"
         )
     return "\n".join(out) + "\n"
 
@@ -190,10 +212,11 @@ def main(argv=None) -> dict:
     shapes = args.shapes.split(",")
     sizes = {shape: _shape(shape) for shape in shapes}  # Checked before any run.
     if args.measure is not None:  # The fresh process of one device count.
-        measured = {
-            shape: _measure(args.measure, sizes[shape], args.repeats)
-            for shape in shapes
-        }
+        with tempfile.TemporaryDirectory() as dump:
+            measured = {
+                shape: _measure(args.measure, sizes[shape], args.repeats, dump)
+                for shape in shapes
+            }
         print("ROUNDS " + json.dumps(measured))
         return {}
     start = datetime.datetime.now(datetime.UTC)
@@ -210,7 +233,7 @@ def main(argv=None) -> dict:
         line = next(x for x in done.stdout.splitlines() if x.startswith("ROUNDS "))
         measured = json.loads(line.removeprefix("ROUNDS "))
         rows += [
-            _row(devices, shape, name, measured[shape]["rounds"][name])
+            _row(devices, shape, name, measured[shape])
             for shape in shapes
             for name in UPDATES
         ]

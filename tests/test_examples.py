@@ -129,6 +129,9 @@ def test_optimizer_benchmark_writes_its_table(tmp_path):
     for r in payload["rows"]:
         assert len(r["samples"]) == 2
         assert 0 < r["us_min"] <= r["us_median"] <= r["us_max"]
+        assert isinstance(r["vector_ops"], int) and r["vector_ops"] >= 0
+    # The kernels' IR was dumped and read: a 32-float row is vectorized.
+    assert any(r["vector_ops"] > 0 for r in payload["rows"] if r["shape"] == "32")
     assert set(payload["versions"]) == {"jax", "keras", "optax"}
     assert "| 1 | 16x4 | optax |" in out and out.count("| 1.00 |") >= 2
     assert out == (tmp_path / "optimizer_update.md").read_text() + "\n"
