@@ -1,6 +1,7 @@
 """The Markdown tables and the PNG of `single_vs_mirrored.py`'s results."""
 
 import pathlib
+import re
 
 from _runs import fmt, pyplot, targets_table
 
@@ -52,9 +53,14 @@ def _header(payload: dict) -> list:
         if r.get("crashed_runs")
     ]
     if crashed:
+        said = sorted(
+            {_gist(e) for r in payload["rows"] for e in r.get("crash_errors", [])}
+        )
         out.append(
-            "Runs that crashed (XLA CPU collective timeout under load) and were "
-            "run again: " + ", ".join(crashed) + "."
+            "Runs that crashed and were run again: "
+            + ", ".join(crashed)
+            + "."
+            + (" What they said: " + "; ".join(said) + "." if said else "")
         )
     failed = [
         f"{r['model']} {r['config']} {r['failed_runs']} of {payload['repeats']}"
@@ -69,6 +75,13 @@ def _header(payload: dict) -> list:
     if payload["repeats"] < 5:
         out.append(f"Only {payload['repeats']} runs per configuration: indicative.")
     return [*out, ""]
+
+
+def _gist(error: str) -> str:
+    """A crash's fatal line without its log prefix, ids and keys."""
+    text = error.split("] ", 1)[-1]
+    text = re.sub(r"\[id=\d+\] | ?RendezvousKey\{[^}]*\}|`", "", text)
+    return '"' + text[:220] + '"'
 
 
 def _rows(payload: dict) -> list:

@@ -10,6 +10,7 @@ no state carried from the previous one); the worker prints one line
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,7 @@ def run_worker(
         return {**ident, "error": "timeout"}
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     if done.returncode or not lines:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {**ident, "error": tail}
+        return {**ident, "error": failure(done.stderr or done.stdout)}
     row = json.loads(lines[-1][len("RESULT ") :])
     times = row["ms_per_step"]
     row["ms_median"] = statistics.median(times)
@@ -65,6 +65,17 @@ def run_worker(
     if row.get("host_cpu_ms_per_step"):
         row["host_cpu_ms"] = statistics.median(row["host_cpu_ms_per_step"])
     return row
+
+
+def failure(output: str) -> str:
+    """What a crashed worker said: its first fatal log line, else its last lines.
+
+    (XLA aborts with a line `F1125 12:33:32.28 ... rendezvous.cc:161] ...`
+    and a C++ stack after it.)
+    """
+    lines = output.strip().splitlines()
+    fatal = [x for x in lines if re.match(r"F\d{4} ", x)]
+    return fatal[0] if fatal else " | ".join(lines[-3:])
 
 
 def combine_runs(runs: list) -> dict:
@@ -91,6 +102,7 @@ def combine_runs(runs: list) -> dict:
         peak_rss_mb=max(r["peak_rss_mb"] for r in done),
         host_cpu_ms=_median_of(done, "host_cpu_ms"),
         crashed_runs=sum(r.get("crashed_runs", 0) for r in runs),
+        crash_errors=[e for r in runs for e in r.get("crash_errors", [])],
         failed_runs=len(runs) - len(done),
         runs=runs,
     )

@@ -61,6 +61,8 @@ def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    # Every program compiled here (a cached one would not be dumped).
+    jax.config.update("jax_enable_compilation_cache", False)
     replicated = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
     variables = [keras.Variable(np.zeros(shape, "float32"), name="kernel")]
     weights = [v.value for v in variables]

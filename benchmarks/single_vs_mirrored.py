@@ -126,13 +126,13 @@ def _settings(args) -> None:
 def run_config(config, model, devices, args) -> dict:
     """One fresh-process run; a crashed run is run again, once, and counted.
 
-    (On 2 shared cores XLA's CPU collectives can abort a run: "Termination
-    timeout for all reduce ... only 6 of them arrived on time".)
+    (XLA's CPU collectives can abort a run: "Termination timeout for all
+    reduce ... of 40 s"; the row keeps what each crash said, `crash_errors`.)
     """
     batch = BATCH[model]
     steps = args.steps_of[model]
     ident = {"config": config, "model": model, "devices": devices}
-    crashed = 0
+    crashes = []
     for _ in range(2):
         row = run_worker(
             HERE / "_worker.py",
@@ -143,8 +143,8 @@ def run_config(config, model, devices, args) -> dict:
         )
         if "error" not in row or row["error"] == "timeout":
             break
-        crashed += 1
-    return {**row, "crashed_runs": crashed}
+        crashes.append(row["error"])
+    return {**row, "crashed_runs": len(crashes), "crash_errors": crashes}
 
 
 def _ratio(rows, model, top, bottom, scale=1.0):

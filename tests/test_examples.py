@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.test_docs import _run
+from tests.test_docs import ROOT, _run
 
 
 @pytest.mark.slow
@@ -176,3 +176,33 @@ def test_seed_keras_tutorial_runs_with_only_the_strategy_lines_changed(tmp_path)
     for loss, accuracy in evals[1:]:
         assert abs(float(loss) - float(evals[0][0])) < 1e-5
         assert accuracy == evals[0][1]
+
+
+def test_benchmark_names_what_a_crashed_run_said(tmp_path, monkeypatch):
+    """A worker that aborts as XLA:CPU does: its fatal line, not its C++ stack."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _report_svm import _gist
+    from _runs import run_worker
+
+    worker = tmp_path / "aborts.py"
+    fatal = (
+        "F1125 12:33:32.282762   31034 rendezvous.cc:161] [id=6] Termination "
+        "timeout for `all reduce RendezvousKey{run_id=RunId: -2081499063, "
+        "op_id=1}` of 40 seconds exceeded. Expected 8 threads to join the "
+        "rendezvous, but only 7 of them arrived on time."
+    )
+    worker.write_text(
+        "import sys\n"
+        f"sys.stderr.write('I0000 starting\\n' + {fatal!r} + '\\n'"
+        " + '    @     0x7f5c909c8c91  std::__invoke_impl<>()\\n')\n"
+        "sys.exit(134)\n"
+    )
+    row = run_worker(worker, [], timeout=60, platform_name="cpu", ident={"a": 1})
+    assert row == {"a": 1, "error": fatal}
+    assert _gist(row["error"]) == (
+        '"Termination timeout for all reduce of 40 seconds exceeded. Expected 8 '
+        'threads to join the rendezvous, but only 7 of them arrived on time."'
+    )
+    worker.write_text("raise SystemExit('no RESULT line')\n")
+    row = run_worker(worker, [], timeout=60, platform_name="cpu", ident={})
+    assert row == {"error": "no RESULT line"}
