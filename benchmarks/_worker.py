@@ -24,15 +24,11 @@ CONFIG is one of
          distribution; a keras_dist model remembers its strategy)
     D    TensorFlow tf.distribute.MirroredStrategy + Keras on the TF backend
          (DEVICES logical CPU devices, or the GPUs)
-    E    the limit: a hand-written jax.jit + optax step over the same mesh
-         (one step a dispatch, as JAX's sharding tutorial writes it: state
-         replicated, batch split), the data laid out on the devices ahead of
-         time; at most 8 steps in
-         flight, as keras_dist keeps them on CPU devices (unbounded, XLA:CPU
-         aborted most runs: strategies/_pacing.py)
-    E32  the limit of 32 steps per dispatch: E's step in a jax.lax.scan over
-         32 batches stacked on the devices, each step's batch constrained to
-         E's layout (what B32 is measured against)
+    E    the limit: a hand-written jax.jit + optax step over the same mesh,
+         one step a dispatch, the data laid out on the devices ahead of
+         time (`_limit.py`)
+    E32  E with 32 steps a dispatch (a jax.lax.scan; what B32 is measured
+         against)
     EK   E with Keras's Adam (`optimizer.stateless_apply`) in place of
          optax's: the limit for the step math Keras runs (B's), so that
          B/EK is what keras_dist's fit adds and EK/E what Keras's Adam costs
@@ -63,6 +59,7 @@ os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
 
 import numpy as np  # noqa: E402
 
+LIMIT_CONFIGS = ("E", "E32", "EK", "EK32")  # The hand-written limit: `_limit.py`.
 SHAPES = {"tiny": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3)}
 
 
@@ -224,92 +221,21 @@ def run_jax_loop():
     import jax
     import keras
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from _limit import limit_epoch
 
     import keras_dist as kd
 
     x, y = make_data()
     model = set_initial_weights(make_model(keras, MODEL))
     devices = mesh_devices()
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    optimizer = optax.adam(1e-3)
-    trainable = [v.value for v in model.trainable_variables]
-    non_trainable = [v.value for v in model.non_trainable_variables]
-    keras_adam = None
-    if CONFIG in ("EK", "EK32"):  # Keras's Adam, as B's compile builds it.
-        keras_adam = keras.optimizers.Adam(1e-3)
-        keras_adam.build(model.trainable_variables)
-
-    def init_optimizer(trainable):
-        if keras_adam is None:
-            return optimizer.init(trainable)
-        return [v.value for v in keras_adam.variables]
-
-    def apply_gradients(grads, opt_state, trainable):
-        if keras_adam is None:
-            updates, opt_state = optimizer.update(grads, opt_state, trainable)
-            return optax.apply_updates(trainable, updates), opt_state
-        return keras_adam.stateless_apply(opt_state, grads, trainable)
-
-    if CONFIG in ("E", "E32", "EK", "EK32"):
-        mesh = Mesh(np.array(devices), ("batch",))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        per_dispatch = 32 if CONFIG.endswith("32") else 1
-        if STEPS % per_dispatch:
-            sys.exit(f"{CONFIG} runs 32 steps a dispatch. Received: STEPS={STEPS}.")
-        batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
-
-        def step(state, xb, yb):
-            trainable, non_trainable, opt_state = state
-
-            def loss_of(trainable):
-                logits, non_trainable_new = model.stateless_call(
-                    trainable, non_trainable, xb, training=True
-                )
-                return loss_fn(yb, logits), non_trainable_new
-
-            (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
-                trainable
-            )
-            trainable, opt_state = apply_gradients(grads, opt_state, trainable)
-            return loss, (trainable, non_trainable, opt_state)
-
-        def scanned(state, xs, ys):  # `per_dispatch` steps, one program.
-            def body(state, batch):
-                # Each step's batch split over the devices, as E's. (On CPU
-                # a scan of a convolution stays slow: jax-ml/jax#12868.)
-                batch = jax.lax.with_sharding_constraint(batch, batch_rows)
-                loss, state = step(state, *batch)
-                return state, loss
-
-            state, losses = jax.lax.scan(body, state, (xs, ys))
-            return losses[-1], state
-
-        steps = jax.jit(step if per_dispatch == 1 else scanned)
-        state = jax.device_put(
-            (trainable, non_trainable, init_optimizer(trainable)), replicated
+    if CONFIG in LIMIT_CONFIGS:
+        epoch, state = limit_epoch(
+            keras, model, x, y, devices, config=CONFIG, steps=STEPS, batch=BATCH
         )
-        groups = STEPS // per_dispatch
-        shape = (groups, per_dispatch, BATCH)
-        if per_dispatch == 1:
-            shape, rows = (groups, BATCH), PartitionSpec(None, "batch")
-        else:
-            rows = PartitionSpec(None, None, "batch")
-        rows = NamedSharding(mesh, rows)
-        xs = jax.device_put(x[: np.prod(shape)].reshape(*shape, *x.shape[1:]), rows)
-        ys = jax.device_put(y[: np.prod(shape)].reshape(shape), rows)
-        batches = [(xs[i], ys[i]) for i in range(groups)]
-        jax.block_until_ready(batches)
-
-        def epoch(state):
-            in_flight = []  # At most 8 programs in flight (XLA:CPU, see E).
-            for xb, yb in batches:
-                loss, state = steps(state, xb, yb)
-                in_flight.append(loss)
-                if len(in_flight) > 8:
-                    in_flight.pop(0).block_until_ready()
-            return jax.block_until_ready((loss, state))
     else:  # F: keras_dist's replica API, input through a distributed dataset.
+        optimizer = optax.adam(1e-3)
+        trainable = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
         strategy = kd.MirroredStrategy(list(devices))
         batches = [
             (x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)
@@ -356,7 +282,7 @@ def run_jax_loop():
 
 def main():
     runner = dict.fromkeys(("A", "B", "B32", "BS", "BR", "C", "C0"), run_keras_fit)
-    runner.update(dict.fromkeys(("E", "E32", "EK", "EK32", "F"), run_jax_loop))
+    runner.update(dict.fromkeys((*LIMIT_CONFIGS, "F"), run_jax_loop))
     runner.update(D=run_tf_fit)
     seconds, loss, report = runner[CONFIG]()
     timed = seconds[1:]

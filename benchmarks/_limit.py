@@ -1,0 +1,111 @@
+"""The hand-written limit (configs E, E32, EK, EK32 of `_worker.py`).
+
+A `jax.jit` step over the mesh, as JAX's sharding tutorial writes it: the
+state replicated, each batch split over the devices, the batches laid out on
+the devices ahead of time. The model's forward is Keras's `stateless_call`
+(traced once); the optimizer is optax's Adam (E, E32) or Keras's
+(`stateless_apply`: EK, EK32, the step math keras_dist's `fit` runs). E and
+EK dispatch one step at a time; E32 and EK32 run 32 steps as one program, a
+`jax.lax.scan` over 32 batches stacked on the devices, each step's batch
+constrained to E's layout. At most 8 programs are in flight, as keras_dist
+keeps them on CPU devices (unbounded, XLA:CPU aborted most runs:
+`keras_dist/strategies/_pacing.py`).
+"""
+
+import sys
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: int):
+    """`(epoch, state)`: `epoch(state) -> (loss, state)` trains one epoch.
+
+    `loss` is the last step's; `epoch` returns when its programs are done.
+    """
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    init_optimizer, apply_gradients = _adam(keras, model, keras_adam=("K" in config))
+    mesh = Mesh(np.array(devices), ("batch",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
+    per_dispatch = 32 if config.endswith("32") else 1
+    if steps % per_dispatch:
+        sys.exit(f"{config} runs 32 steps a dispatch. Received: STEPS={steps}.")
+
+    def step(state, xb, yb):
+        trainable, non_trainable, opt_state = state
+
+        def loss_of(trainable):
+            logits, non_trainable_new = model.stateless_call(
+                trainable, non_trainable, xb, training=True
+            )
+            return loss_fn(yb, logits), non_trainable_new
+
+        (loss, non_trainable), grads = jax.value_and_grad(loss_of, has_aux=True)(
+            trainable
+        )
+        trainable, opt_state = apply_gradients(grads, opt_state, trainable)
+        return loss, (trainable, non_trainable, opt_state)
+
+    def scanned(state, xs, ys):  # `per_dispatch` steps, one program.
+        def body(state, rows):
+            # Each step's batch split over the devices, as E's. (On CPU a
+            # scan of a convolution stays slow: jax-ml/jax#12868.)
+            rows = jax.lax.with_sharding_constraint(rows, batch_rows)
+            loss, state = step(state, *rows)
+            return state, loss
+
+        state, losses = jax.lax.scan(body, state, (xs, ys))
+        return losses[-1], state
+
+    program = jax.jit(step if per_dispatch == 1 else scanned)
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    state = jax.device_put(
+        (trainable, non_trainable, init_optimizer(trainable)), replicated
+    )
+    groups = steps // per_dispatch
+    if per_dispatch == 1:
+        shape, spec = (groups, batch), PartitionSpec(None, "batch")
+    else:
+        shape, spec = (groups, per_dispatch, batch), PartitionSpec(None, None, "batch")
+    laid_out = NamedSharding(mesh, spec)
+    xs = jax.device_put(x[: np.prod(shape)].reshape(*shape, *x.shape[1:]), laid_out)
+    ys = jax.device_put(y[: np.prod(shape)].reshape(shape), laid_out)
+    batches = [(xs[i], ys[i]) for i in range(groups)]
+    jax.block_until_ready(batches)
+
+    def epoch(state):
+        in_flight = []  # At most 8 programs in flight (XLA:CPU).
+        for xb, yb in batches:
+            loss, state = program(state, xb, yb)
+            in_flight.append(loss)
+            if len(in_flight) > 8:
+                in_flight.pop(0).block_until_ready()
+        return jax.block_until_ready((loss, state))
+
+    return epoch, state
+
+
+def _adam(keras, model, *, keras_adam: bool):
+    """`(init(trainable), apply(grads, opt_state, trainable))` of Adam(1e-3)."""
+    if not keras_adam:
+        adam = optax.adam(1e-3)
+
+        def apply(grads, opt_state, trainable):
+            updates, opt_state = adam.update(grads, opt_state, trainable)
+            return optax.apply_updates(trainable, updates), opt_state
+
+        return adam.init, apply
+    adam = keras.optimizers.Adam(1e-3)  # As B's compile builds it.
+    adam.build(model.trainable_variables)
+
+    def init(trainable):
+        return [v.value for v in adam.variables]
+
+    def apply(grads, opt_state, trainable):
+        return adam.stateless_apply(opt_state, grads, trainable)
+
+    return init, apply
