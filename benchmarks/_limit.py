@@ -26,7 +26,9 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
     `loss` is the last step's; `epoch` returns when its programs are done.
     """
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    init_optimizer, apply_gradients = _adam(keras, model, keras_adam=("K" in config))
+    init_optimizer, apply_gradients = adam(
+        keras, model.trainable_variables, keras_adam=("K" in config)
+    )
     mesh = Mesh(np.array(devices), ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
@@ -89,8 +91,12 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
     return epoch, state
 
 
-def _adam(keras, model, *, keras_adam: bool):
-    """`(init(trainable), apply(grads, opt_state, trainable))` of Adam(1e-3)."""
+def adam(keras, variables: list, *, keras_adam: bool):
+    """Adam(1e-3) for `variables`, optax's or Keras's (as B's compile builds it).
+
+    Returns `(init(trainable), apply(grads, opt_state, trainable))`, `apply`
+    giving `(trainable, opt_state)`; also `optimizer_update.py`'s two Adams.
+    """
     if not keras_adam:
         adam = optax.adam(1e-3)
 
@@ -99,8 +105,8 @@ def _adam(keras, model, *, keras_adam: bool):
             return optax.apply_updates(trainable, updates), opt_state
 
         return adam.init, apply
-    adam = keras.optimizers.Adam(1e-3)  # As B's compile builds it.
-    adam.build(model.trainable_variables)
+    adam = keras.optimizers.Adam(1e-3)
+    adam.build(variables)
 
     def init(trainable):
         return [v.value for v in adam.variables]

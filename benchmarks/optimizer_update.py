@@ -59,6 +59,7 @@ def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
     import keras
     import numpy as np
     import optax
+    from _limit import adam
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     # Every program compiled here (a cached one would not be dumped).
@@ -66,9 +67,6 @@ def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
     replicated = NamedSharding(Mesh(np.array(jax.devices()), ("d",)), PartitionSpec())
     variables = [keras.Variable(np.zeros(shape, "float32"), name="kernel")]
     weights = [v.value for v in variables]
-    keras_adam = keras.optimizers.Adam(1e-3)
-    keras_adam.build(variables)
-    optax_adam = optax.adam(1e-3)
     lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-7
 
     def by_formula(optax_form):
@@ -94,18 +92,18 @@ def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
         zeros = [jnp.zeros_like(w) for w in weights]
         return update, (weights, (jnp.int32(0), zeros, zeros))
 
-    def keras_update(state, grads):
-        params, opt = state
-        return keras_adam.stateless_apply(opt, grads, params)
+    def library(keras_adam):  # The hand-written limit's Adams (EK's, E's).
+        init, apply = adam(keras, variables, keras_adam=keras_adam)
 
-    def optax_update(state, grads):
-        params, opt = state
-        updates, opt = optax_adam.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt
+        def update(state, grads):
+            params, opt = state
+            return apply(grads, opt, params)
+
+        return update, (weights, init(weights))
 
     cases = {
-        "keras": (keras_update, (weights, [v.value for v in keras_adam.variables])),
-        "optax": (optax_update, (weights, optax_adam.init(weights))),
+        "keras": library(keras_adam=True),
+        "optax": library(keras_adam=False),
         "keras-form": by_formula(optax_form=False),
         "optax-form": by_formula(optax_form=True),
     }
