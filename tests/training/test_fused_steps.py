@@ -364,7 +364,11 @@ def test_the_step_decides_fusion_from_its_jaxpr():
 
 
 def test_state_a_step_leaves_unchanged_is_the_programs_input():
-    """So an evaluate group copies no weights (host-memory state: no copy back)."""
+    """So an evaluate group copies no weights (host-memory state: no copy back).
+
+    `lax.scan` forwards a carry its body returns unchanged (JAX's own
+    forwarding, which `FusedSteps` relies on; this pins it across upgrades).
+    """
 
     def step(state, batch):  # Changes the counter, returns the weights as given.
         weights, count = state
@@ -383,6 +387,102 @@ def test_state_a_step_leaves_unchanged_is_the_programs_input():
     loss, (weights, count) = jax.jit(program)(state, group.shared, group.varying)
     assert int(count) == 3 and float(loss) == 2 * 4 * 3 * 2.0
     np.testing.assert_array_equal(weights, state[0])
+
+
+def test_central_storage_evaluate_group_returns_its_host_weights_uncopied(
+    monkeypatch,
+):
+    """In the compiled HLO: an evaluate group's weights are its parameters.
+
+    CentralStorage keeps the weights in host memory (`S(5)` in XLA's
+    layouts). The fused evaluate program's weight outputs are its weight
+    parameters themselves, aliased to them: no copy back. The fused fit
+    program's are computed (the control: the check sees a changed weight).
+    Measured: the evaluate group's HLO returns all 8 weights of the model
+    (Dense, BatchNormalization, Dense) as its parameters 0-7.
+    """
+    from keras_dist._keras_compat import _input
+
+    programs = []  # (step name, jitted, its first call's argument types).
+    original = _input._originals["jit"]
+
+    def recording_jit(fun, *args, **kwargs):
+        jitted = original(fun, *args, **kwargs)
+        called = []
+
+        def call(*call_args):
+            if not called:
+                called.append(True)
+                types = jax.tree.map(_type_of, call_args)
+                programs.append((fun.__name__, jitted, types))
+            return jitted(*call_args)
+
+        return call
+
+    monkeypatch.setitem(_input._originals, "jit", recording_jit)
+    strategy = STRATEGIES["central_storage"]()
+    x, y, _ = make_data(64, seed=0)
+    with strategy.scope():
+        model = make_model(batch_norm=True)  # Non-trainable weights too.
+        model.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=4,
+        )
+    model.evaluate(x, y, batch_size=8, verbose=0)
+    model.fit(x, y, batch_size=8, verbose=0)
+    fused = [p[1:] for p in programs if p[0] == "fused"]
+    assert len(fused) == 2  # Evaluate's group program, then fit's.
+    weights = len(model.trainable_variables) + len(model.non_trainable_variables)
+    for (jitted, types), changes in zip(fused, (False, True), strict=True):
+        hlo = jitted.lower(*types).compile().as_text()
+        params, root, aliases = _entry(hlo)
+        assert all(":S(5)" in params[i][1] for i in range(weights))  # Host memory.
+        for i in range(weights):  # Output 0: the loss; then the state.
+            passed = root[1 + i] == params[i][0]
+            assert passed is not changes, (i, root[1 + i], params[i])
+            if not changes:  # And given back in the parameter's own buffer.
+                assert f"{{{1 + i}}}: ({i}, {{}}" in aliases, aliases
+
+
+def _type_of(leaf):
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+
+def _entry(hlo: str) -> tuple[list, list, str]:
+    """`(params, root, aliases)` of a compiled HLO module's entry computation.
+
+    `params[i]`: parameter i's `(name, layout)`; `root`: the names in the
+    entry's ROOT tuple; `aliases`: the module's `input_output_alias`.
+    """
+    header = hlo.splitlines()[0]
+    aliases = header.split("input_output_alias=")[1] if "alias=" in header else ""
+    inputs = header.split("entry_computation_layout={(")[1].split(")->")[0]
+    layouts = _top_level(inputs)
+    entry = hlo[hlo.index("\nENTRY") :].splitlines()
+    names = {}
+    for line in entry:
+        if " parameter(" in line:
+            name, rest = line.strip().split(" = ", 1)
+            names[int(rest.split(" parameter(")[1].split(")")[0])] = name
+    (root,) = [line for line in entry if line.strip().startswith("ROOT")]
+    operands = root.split(" tuple(")[1].rsplit(")", 1)[0]
+    root_names = [op.split("*/")[-1].strip() for op in _top_level(operands)]
+    params = [(names[i], layout) for i, layout in enumerate(layouts)]
+    return params, root_names, aliases
+
+
+def _top_level(text: str) -> list[str]:
+    """`text` split at its commas outside brackets and braces."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += (char in "[{(") - (char in "]})")
+        if char == "," and not depth:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    return [*parts, text[start:].strip()]
 
 
 # 4. Callbacks ----------------------------------------------------------------
