@@ -12,6 +12,10 @@ takes a few hundred steps of a small model: a hand-written `jax.jit` loop
 hits it as Keras's loops do. A hand-written loop keeping 8, 16 or 28 steps
 in flight never aborted (600 steps each); one epoch of 400 Keras steps
 aborted 2 of 2 times unbounded and finished 4 of 4 times at `DEPTH`.
+An eager step (`run_eagerly=True`) dispatches many small programs and is
+paced as one: Keras's eager loop waits on its own results, and an epoch of
+1000 eager steps of Flatten->Dense on 8 CPU devices finished unpaced
+(2026-11-25, a script run once, not kept in the repo).
 
 `Pacer.after(outputs)` is called with each dispatched program's outputs; on
 a strategy over more than one CPU device it then waits until the program
