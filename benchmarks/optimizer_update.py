@@ -18,10 +18,15 @@ updates:
 Each device count runs in a fresh process (XLA_FLAGS must be set before JAX
 starts); within it, `--repeats` rounds alternate the updates, 50 programs of
 32 updates each a sample. Prints microseconds per update (median and min-max
-over the rounds) and writes `results/optimizer_update.{json,md}`.
+over the rounds) and what LLVM vectorized (the vector values in the
+update's optimized LLVM IR, and how many of its elementwise kernels have
+any), and writes `results/optimizer_update.{json,md}`. `--xla-flags` adds
+XLA flags to the measuring processes, to try XLA:CPU's options.
 
     python benchmarks/optimizer_update.py     # 1 and 8 devices; 784x10, 784x128
     python benchmarks/optimizer_update.py --devices 1,2,8 --shapes 784x10,784x16
+    python benchmarks/optimizer_update.py --out /tmp/ynn \
+        --xla-flags=--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_ELTWISE
 """
 
 import argparse
@@ -29,29 +34,32 @@ import datetime
 import json
 import os
 import pathlib
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from _runs import machine
+from _runs import failure, machine
 
 HERE = pathlib.Path(__file__).resolve().parent
 UPDATES = ("keras", "optax", "keras-form", "optax-form")
 STEPS, CALLS = 32, 50
 
 
-def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
+def _measure(
+    devices: int, shape: tuple, repeats: int, dump: str, xla_flags: str = ""
+) -> dict:
     """In this (fresh) process: update -> microseconds per update, per round.
 
     XLA dumps the programs' optimized LLVM IR to `dump` (this process's
-    first call sets the flags), from which `_vector_ops` counts what LLVM
-    vectorized.
+    first call sets the flags, `xla_flags` appended), from which
+    `_vector_ops` counts what LLVM vectorized.
     """
     os.environ["XLA_FLAGS"] = (
         f"--xla_force_host_platform_device_count={devices} "
-        f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*adam_.*"
+        f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*adam_.* {xla_flags}"
     )
     os.environ["KERAS_BACKEND"] = "jax"
     import jax
@@ -142,10 +150,20 @@ def _measure(devices: int, shape: tuple, repeats: int, dump: str) -> dict:
     return {"rounds": rounds, "versions": versions, "vector_ops": vector_ops}
 
 
-def _vector_ops(dump: str, module: str) -> int:
-    """Vector values (`<N x float>`) in the optimized LLVM IR of `module`'s kernels."""
-    kernels = pathlib.Path(dump).glob(f"*.jit_{module}.*ir-with-opt.ll")
-    return sum(path.read_text().count(" x float>") for path in kernels)
+def _vector_ops(dump: str, module: str) -> tuple[int, int, int]:
+    """What LLVM vectorized in `module`'s kernels (their optimized LLVM IR).
+
+    Returns `(values, vectorized, kernels)`: the vector values (`<N x
+    float>`) in all its kernels, and how many of its elementwise kernels
+    (the fusions' `*_kernel_module`s) have any, of how many.
+    """
+    values, kernels = 0, []
+    for path in pathlib.Path(dump).glob(f"*.jit_{module}.*ir-with-opt.ll"):
+        count = path.read_text().count(" x float>")
+        values += count
+        if path.name.endswith("_kernel_module.ir-with-opt.ll"):
+            kernels.append(count)
+    return values, sum(1 for count in kernels if count), len(kernels)
 
 
 def _shape(text: str) -> tuple:
@@ -164,7 +182,9 @@ def _row(devices: int, shape: str, name: str, measured: dict) -> dict:
     return {
         "devices": devices,
         "shape": shape,
-        "vector_ops": measured["vector_ops"][name],
+        "vector_ops": measured["vector_ops"][name][0],
+        "vector_kernels": measured["vector_ops"][name][1],
+        "kernels": measured["vector_ops"][name][2],
         "update": name,
         "us_median": statistics.median(samples),
         "us_min": min(samples),
@@ -183,8 +203,8 @@ def markdown(payload: dict) -> str:
         "alternating rounds.",
         "",
         "| devices | shape | update | us/update (median) | min-max | / optax "
-        "| vector values in its LLVM IR |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| vector values in its LLVM IR | kernels with any |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         base = next(
@@ -196,7 +216,7 @@ def markdown(payload: dict) -> str:
         out.append(
             f"| {r['devices']} | {r['shape']} | {r['update']} | {r['us_median']:.1f} | "
             f"{r['us_min']:.1f}-{r['us_max']:.1f} | {r['us_median'] / base:.2f} | "
-            f"{r['vector_ops']} |"
+            f"{r['vector_ops']} | {r['vector_kernels']} of {r['kernels']} |"
         )
     return "\n".join(out) + "\n"
 
@@ -206,6 +226,11 @@ def main(argv=None) -> dict:
     p.add_argument("--devices", default="1,8", help="comma list of device counts")
     p.add_argument("--shapes", default="784x10,784x128", help="comma list")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--xla-flags",
+        default="",
+        help='more XLA flags for the measuring processes, e.g. "--xla_cpu_...=..."',
+    )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--measure", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -214,7 +239,9 @@ def main(argv=None) -> dict:
     if args.measure is not None:  # The fresh process of one device count.
         with tempfile.TemporaryDirectory() as dump:
             measured = {
-                shape: _measure(args.measure, sizes[shape], args.repeats, dump)
+                shape: _measure(
+                    args.measure, sizes[shape], args.repeats, dump, args.xla_flags
+                )
                 for shape in shapes
             }
         print("ROUNDS " + json.dumps(measured))
@@ -224,12 +251,18 @@ def main(argv=None) -> dict:
     for devices in [int(v) for v in args.devices.split(",")]:
         command = [sys.executable, __file__, "--measure", str(devices)]
         done = subprocess.run(
-            [*command, "--shapes", args.shapes, "--repeats", str(args.repeats)],
+            [
+                *command,
+                *("--shapes", args.shapes, "--repeats", str(args.repeats)),
+                f"--xla-flags={args.xla_flags}",
+            ],
             capture_output=True,
             text=True,
             timeout=600,
-            check=True,
         )
+        if done.returncode:
+            said = failure(done.stderr) or "(nothing)"
+            sys.exit(f"The {devices}-device measurement failed: {said}")
         line = next(x for x in done.stdout.splitlines() if x.startswith("ROUNDS "))
         measured = json.loads(line.removeprefix("ROUNDS "))
         rows += [
@@ -243,8 +276,9 @@ def main(argv=None) -> dict:
         "machine": machine("cpu", max(r["devices"] for r in rows)),
         "versions": measured[shapes[0]]["versions"],
         "command": "python benchmarks/optimizer_update.py "
-        + " ".join(argv or sys.argv[1:]),
+        + shlex.join(argv or sys.argv[1:]),
         "repeats": args.repeats,
+        "xla_flags": args.xla_flags,
         "rows": rows,
     }
     out = pathlib.Path(args.out)

@@ -130,8 +130,12 @@ def test_optimizer_benchmark_writes_its_table(tmp_path):
         assert len(r["samples"]) == 2
         assert 0 < r["us_min"] <= r["us_median"] <= r["us_max"]
         assert isinstance(r["vector_ops"], int) and r["vector_ops"] >= 0
+        assert 0 <= r["vector_kernels"] <= r["kernels"] and r["kernels"] >= 1
+        assert (r["vector_kernels"] > 0) == (r["vector_ops"] > 0)
     # The kernels' IR was dumped and read: a 32-float row is vectorized.
     assert any(r["vector_ops"] > 0 for r in payload["rows"] if r["shape"] == "32")
+    assert payload["xla_flags"] == ""
+    assert "| vector values in its LLVM IR | kernels with any |" in out
     assert set(payload["versions"]) == {"jax", "keras", "optax"}
     assert "| 1 | 16x4 | optax |" in out and out.count("| 1.00 |") >= 2
     assert out == (tmp_path / "optimizer_update.md").read_text() + "\n"
@@ -152,6 +156,27 @@ def test_optimizer_benchmark_names_a_bad_shape(tmp_path):
                 str(tmp_path),
             ]
         )
+
+
+def test_optimizer_benchmark_passes_xla_flags_and_names_a_failed_measurement(
+    tmp_path,
+):
+    """`--xla-flags` reach XLA in the measuring process; its failure is named."""
+    flag = "--xla_cpu_no_such_flag=1"
+    with pytest.raises(
+        AssertionError,
+        match=r"The 1-device measurement failed: .*"
+        r"Unknown flag in XLA_FLAGS: --xla_cpu_no_such_flag=1",
+    ):
+        _run(
+            [
+                "benchmarks/optimizer_update.py",
+                *("--devices", "1", "--shapes", "8", "--repeats", "1"),
+                f"--xla-flags={flag}",
+                *("--out", str(tmp_path)),
+            ]
+        )
+    assert not (tmp_path / "optimizer_update.json").exists()
 
 
 @pytest.mark.slow
