@@ -111,6 +111,7 @@ from keras_dist._keras_compat._optimizer import (
 )
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist._keras_compat._state_memory import variable_value
+from keras_dist._keras_compat._tf_dataset import tf_dataset_adapter_init
 from keras_dist._keras_compat._variables import (
     _assign,
     _direct_assign,
@@ -189,6 +190,11 @@ _SEAMS: tuple = (
     ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
     (_ARRAYS, "array_data_adapter.ArrayDataAdapter._get_iterator", None),
     (_ARRAYS, "array_slicing.convert_to_sliceable", None),
+    (
+        f"{_ARRAYS}.tf_dataset_adapter",
+        "TFDatasetAdapter.__init__",
+        tf_dataset_adapter_init,
+    ),
     ("keras.src.layers.layer", "Layer.__setattr__", _layer_setattr),
     *(
         ("keras.src.callbacks.callback_list", f"CallbackList.{name}", _batch_hook(name))

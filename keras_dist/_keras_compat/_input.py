@@ -34,6 +34,7 @@ from keras_dist._keras_compat import _state_memory
 from keras_dist._keras_compat._array_input import resident_pass
 from keras_dist._keras_compat._processes import gathered_outputs
 from keras_dist._keras_compat._state import originals as _originals
+from keras_dist._keras_compat._tf_dataset import adapter_dataset
 from keras_dist.data import _call
 from keras_dist.data._auto_shard import is_per_process
 from keras_dist.data._partial_batch import unpadding
@@ -221,7 +222,7 @@ def _get_distributed_iterator(self, distribution):
         adapter.get_jax_iterator(),
         source=f"the {name.removesuffix('Adapter')} input",
         per_process=distribution._spans_processes
-        and is_per_process(getattr(adapter, "_dataset", None)),
+        and is_per_process(adapter_dataset(adapter)),
         keras=True,
         prefetch=0 if name in _ONE_SHOT_ADAPTERS else 1,
         channel="fit-input",

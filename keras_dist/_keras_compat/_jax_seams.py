@@ -28,7 +28,6 @@ JAX_PRIVATE: tuple = (
 # (strategies/_base.py, _placement.py, _central_storage.py); Keras must
 # still have, and call, them.
 KERAS_HOOKS: tuple = (
-    ("keras.distribution", "DataParallel.distribute_dataset"),
     ("keras.distribution", "DataParallel.get_variable_layout"),
     ("keras.distribution", "DataParallel.scope"),
     ("keras.distribution", "DataParallel.num_processes"),

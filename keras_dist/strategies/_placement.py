@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.data import _auto_shard, _sparse
+from keras_dist.data import _sparse
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -174,16 +174,6 @@ class Placement:
         return NamedSharding(
             self.mesh, PartitionSpec(None, BATCH_AXIS, *([None] * (ndim - 2)))
         )
-
-    def distribute_dataset(self, dataset):
-        """Keras's hook for tf.data inputs of fit/evaluate/predict.
-
-        With one process, or under `AutoShardPolicy.AUTO/DATA`, the dataset
-        is kept whole (each process reads every global batch and keeps its
-        rows). Under `FILE` or `OFF` it becomes this process's share, read
-        `global_batch / num_processes` rows per step.
-        """
-        return _auto_shard.per_process_share(self, dataset)
 
 
 def _place(array, sharding: NamedSharding) -> jax.Array:
