@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "BATCHED",
+    "cardinality",
     "ROWS",
     "UNKNOWN",
     "check_tf_dataset",
@@ -27,6 +28,17 @@ def is_tf_dataset(value: Any) -> bool:
     return type(value).__module__.startswith("tensorflow") and hasattr(
         value, "element_spec"
     )
+
+
+def cardinality(dataset) -> int:
+    """The number of elements of `dataset` (tf's -1 infinite, -2 unknown).
+
+    A `tf.data.Dataset` has the method `cardinality()`; tf.distribute's
+    distributed datasets have the number itself as the attribute
+    `cardinality` (as Keras's `TFDatasetAdapter.num_batches` reads it).
+    """
+    value = dataset.cardinality
+    return int(value() if callable(value) else value)
 
 
 def scalar_component(dataset):

@@ -31,7 +31,7 @@ from keras_dist.data._label_checks import (
     needs_targets,
     sparse_labels,
 )
-from keras_dist.data._tf_data import is_tf_dataset
+from keras_dist.data._tf_data import cardinality, is_tf_dataset
 
 __all__ = ["check_call"]
 
@@ -115,7 +115,7 @@ def _check_not_empty(value: Any, name: str) -> None:
                 f"{name} of shape {tuple(arrays[0].shape)}. Check how it was "
                 "built (an empty split, a filter that dropped everything)."
             )
-    elif is_tf_dataset(value) and int(value.cardinality()) == 0:
+    elif is_tf_dataset(value) and cardinality(value) == 0:
         raise ValueError(
             f"`{name}` is an empty dataset: there is nothing to run on. "
             f"Received: {name}={value!r} (cardinality 0). Check how it was "
