@@ -57,7 +57,8 @@ API cannot express are done here, on Keras's JAX trainer
    keeps variables outside device memory (`CentralStorageStrategy`), the
    steps Keras compiles (`jit`, donated state) move their state to device
    memory first and give it back in host memory as their outputs; eager
-   steps do the same around the call; and `JaxVariable.value`, read while
+   steps do the same around the call; and `JaxVariable.value`, read outside
+   Keras's collection of a step's state (`_get_jax_state`), eagerly or while
    JAX traces (Keras's `compute_output_spec`, a user's `jax.jit(model)`),
    gives a host-memory variable through a transfer to device memory.
 
@@ -110,7 +111,7 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
-from keras_dist._keras_compat._state_memory import variable_value
+from keras_dist._keras_compat._state_memory import stored_state_read, variable_value
 from keras_dist._keras_compat._tf_dataset import tf_dataset_adapter_init
 from keras_dist._keras_compat._variables import (
     _assign,
@@ -156,6 +157,8 @@ _SEAMS: tuple = (
     *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
     *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
     (_TRAINER, "JAXTrainer.jax_state_sync", None),
+    (_TRAINER, "JAXTrainer._get_jax_state", stored_state_read),
+    (_TRAINER, "JAXTrainer._get_state_sharding_spec", stored_state_read),
     (
         _BASE_OPTIMIZER,
         "BaseOptimizer.add_variable_from_reference",

@@ -58,6 +58,13 @@ __all__ = [
 # Keras's adapters whose passes cannot be read again from the start: the
 # batches a read-ahead takes from them are lost to the next pass.
 _ONE_SHOT_ADAPTERS = ("GeneratorDataAdapter",)
+# Keras's adapters whose reading is bound to the epoch: a `PyDataset` is read
+# by workers that `on_epoch_end` stops (and then reshuffles it) and
+# `on_epoch_begin` restarts. When Keras keeps one iterator across epochs
+# (`steps_per_epoch`), a read-ahead would read between the two — Keras's
+# "Iterator called after `on_epoch_end`" — or take a batch of the next
+# epoch from this epoch's order.
+_EPOCH_BOUND_ADAPTERS = ("PyDatasetAdapter",)
 
 
 def current_strategy() -> Strategy | None:
@@ -224,8 +231,16 @@ def _get_distributed_iterator(self, distribution):
         per_process=distribution._spans_processes
         and is_per_process(adapter_dataset(adapter)),
         keras=True,
-        prefetch=0 if name in _ONE_SHOT_ADAPTERS else 1,
+        prefetch=0 if _reads_on_demand(self, name) else 1,
         channel="fit-input",
+    )
+
+
+def _reads_on_demand(epoch_iterator, adapter_name: str) -> bool:
+    """Whether a pass must read each batch only when the step asks for it."""
+    return adapter_name in _ONE_SHOT_ADAPTERS or (
+        adapter_name in _EPOCH_BOUND_ADAPTERS
+        and epoch_iterator.steps_per_epoch is not None
     )
 
 

@@ -18,24 +18,28 @@ together. Both wrappers move the state with the strategy's
   with eager `jax.device_put`s, and the new state moved back with
   `_state_to_storage`.
 
-Outside the steps, Keras also traces code that reads variables directly
-(`compute_output_spec` builds the metrics of a first `fit` with
-`jax.eval_shape` over the model), as does a user's `jax.jit(model)`:
-`variable_value` wraps `JaxVariable.value` so that, while JAX traces, a
-variable stored in host memory is read through a `jax.device_put` to device
-memory (a transfer in the traced program). Read eagerly, `variable.value` is
-the stored host array itself.
+Outside the steps, a variable joins computations directly: Keras traces
+code that reads variables (`compute_output_spec` builds the metrics of a
+first `fit` with `jax.eval_shape` over the model), a user's `jax.jit(model)`
+does too, and eager code computes on them (`model(x)` to check a shape,
+`kernel[0]`, Keras's eager loss-scale paths). `variable_value` wraps
+`JaxVariable.value` so that a variable stored in host memory is read in
+device memory, the memory of the computation it joins: a `jax.device_put`
+(traced: a transfer in the program; eager: a copy). What must see the state
+as stored reads it inside `strategies/_host_memory.stored_reads()`: Keras's
+trainer collecting a step's state and its shardings (`stored_state_read`
+wraps `JAXTrainer._get_jax_state` and `_get_state_sharding_spec`), backups
+and memory reports.
 """
 
 import functools
 from collections.abc import Callable
 
 import jax
-from keras.src.utils.jax_utils import is_in_jax_tracing_scope
-
 from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._host_memory import reading_stored, stored_reads
 
-__all__ = ["compiled_step", "eager_step", "variable_value"]
+__all__ = ["compiled_step", "eager_step", "stored_state_read", "variable_value"]
 
 _DEVICE = "device"
 
@@ -82,19 +86,30 @@ def _unchanged_as_stored(new_state, moved, stored):
 
 
 def variable_value(value: property) -> property:
-    """`JaxVariable.value`, read in device memory while JAX traces."""
+    """`JaxVariable.value`, read in device memory unless read as stored."""
     read = value.fget
 
     @functools.wraps(read)
-    def on_device_when_traced(variable):
+    def in_device_memory(variable):
         result = read(variable)
-        stored = getattr(variable, "_value", None)
-        kind = getattr(getattr(stored, "sharding", None), "memory_kind", _DEVICE)
-        if kind in (_DEVICE, None) or isinstance(stored, jax.core.Tracer):
+        if not isinstance(result, jax.Array) or isinstance(result, jax.core.Tracer):
             return result
-        if not is_in_jax_tracing_scope():
+        kind = getattr(result.sharding, "memory_kind", None)
+        if kind in (_DEVICE, None) or reading_stored():
             return result
-        return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
+        return jax.device_put(result, result.sharding.with_memory_kind(_DEVICE))
 
-    on_device_when_traced._keras_dist_wrapped = read
-    return property(on_device_when_traced, value.fset, value.fdel, value.__doc__)
+    in_device_memory._keras_dist_wrapped = read
+    return property(in_device_memory, value.fset, value.fdel, value.__doc__)
+
+
+def stored_state_read(method: Callable) -> Callable:
+    """A trainer method that collects the state as stored (host memory included)."""
+
+    @functools.wraps(method)
+    def as_stored(*args, **kwargs):
+        with stored_reads():
+            return method(*args, **kwargs)
+
+    as_stored._keras_dist_wrapped = method
+    return as_stored

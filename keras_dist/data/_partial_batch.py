@@ -58,37 +58,57 @@ class PaddedBatch(tuple):
     """A batch tuple `(x, y, sample_weight)` padded to a multiple of replicas.
 
     It is a tuple, so Keras unpacks it like any batch; `num_real` says how
-    many leading rows are real. As a pytree, `num_real` is static.
+    many leading rows are real (or which row segments, `NumReal`). The count
+    is part of the type: `PaddedBatch(items, num_real)` gives an instance of
+    the subclass for that count, so anything that rebuilds a tuple from its
+    items alone keeps it — Keras's `Tracker` (`type(batch)(items)`), its
+    `tree` utilities, `copy`, users' own code. As a pytree the count is
+    static (each subclass is its own node type) and the children are the
+    items.
     """
 
-    def __new__(cls, items, num_real: int):
-        return super().__new__(cls, items)
+    num_real: "NumReal"
 
-    def __init__(self, items, num_real: "NumReal"):
-        super().__init__()
-        self.num_real = num_real if isinstance(num_real, tuple) else int(num_real)
+    def __new__(cls, items, num_real: "NumReal | None" = None):
+        if num_real is None:
+            if cls is PaddedBatch:
+                raise TypeError(
+                    "A `PaddedBatch` needs its real row count. Received: "
+                    "num_real=None. Use `PaddedBatch(items, num_real)`."
+                )
+            return super().__new__(cls, items)
+        return super().__new__(_padded_type(_count(num_real)), items)
 
     def __repr__(self) -> str:
         return f"PaddedBatch({tuple(self)!r}, num_real={self.num_real})"
 
-
-def _flatten(batch: PaddedBatch):
-    return tuple(batch), batch.num_real
-
-
-def _unflatten(num_real, children) -> PaddedBatch:
-    return PaddedBatch(children, num_real)
+    def __reduce__(self):
+        return PaddedBatch, (tuple(self), self.num_real)
 
 
-jax.tree_util.register_pytree_node(PaddedBatch, _flatten, _unflatten)
-# Keras walks batches with optree in its own namespace (e.g. to build the
-# model symbolically from the first batch); keep the type and count there too.
-optree.register_pytree_node(
-    PaddedBatch,
-    lambda b: (tuple(b), b.num_real, None),
-    _unflatten,
-    namespace="keras",
-)
+def _count(num_real: "NumReal") -> "NumReal":
+    if isinstance(num_real, tuple):
+        return tuple((int(start), int(count)) for start, count in num_real)
+    return int(num_real)
+
+
+@functools.cache
+def _padded_type(num_real: "NumReal") -> type:
+    """The `PaddedBatch` subclass of one real-row count, registered as a pytree."""
+    padded = type("PaddedBatch", (PaddedBatch,), {"num_real": num_real})
+    padded.__module__ = __name__
+    jax.tree_util.register_pytree_node(
+        padded, lambda batch: (tuple(batch), None), lambda _, items: padded(items)
+    )
+    # Keras walks batches with optree in its own namespace (e.g. to build the
+    # model symbolically from the first batch); keep the type and count there.
+    optree.register_pytree_node(
+        padded,
+        lambda batch: (tuple(batch), None, None),
+        lambda _, items: padded(items),
+        namespace="keras",
+    )
+    return padded
 
 
 def _is_array(leaf: Any) -> bool:

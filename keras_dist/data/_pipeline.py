@@ -15,7 +15,9 @@ and `distribute_datasets_from_function`. One pass (`InputPass`):
 4. **lay out** this process's rows over the mesh (the strategy's `_shard`);
 5. **prefetch** one step ahead on a background thread — only for sources that
    Keras (or the user) can restart: read-ahead never takes a batch from a
-   one-shot generator that nobody could give back.
+   one-shot generator that nobody could give back, nor reads a `PyDataset`
+   that Keras keeps across epochs between its `on_epoch_end` and
+   `on_epoch_begin`.
 
 The real-row count travels with the batch in one of two carriers of the same
 value: for Keras a `PaddedBatch` (static pytree data: the compiled step cuts

@@ -45,7 +45,7 @@ from keras_dist.data._batch_group import BatchGroup
 from keras_dist.data._call import CallState
 from keras_dist.data._partial_batch import round_up
 from keras_dist.data._pass_layout import PassLayout, lay_out_pass, not_blocks
-from keras_dist.data._resident_batch import ResidentBatch
+from keras_dist.data._resident_batch import ResidentBatch, keras_form
 from keras_dist.data._resident_data import ResidentData
 from keras_dist.data._target import InputTarget
 
@@ -118,7 +118,7 @@ class ResidentPass:
             raise StopIteration
         batch = self._at(position, taken[0])
         self._record(start, len(taken[0]), 1)
-        return batch
+        return keras_form(batch)
 
     def _at(self, position: int, indices: np.ndarray) -> ResidentBatch:
         """Batch `position` of the pass, whose rows are `indices`.
@@ -184,7 +184,8 @@ class ResidentPass:
         uneven = size % self._replicas or self._layout.blocked
         if len(group) < count or uneven or any(len(i) != size for i in group):
             batches = [
-                self._at(position + i, indices) for i, indices in enumerate(group)
+                keras_form(self._at(position + i, indices))
+                for i, indices in enumerate(group)
             ]
             self._record(start, size, len(group))
             return batches

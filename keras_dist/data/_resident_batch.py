@@ -15,9 +15,13 @@ blocks of batches split over the replicas (`blocked`: each device holds its
 rows of each batch, not the dataset), and the batch is block `row`.
 
 For JAX a `ResidentBatch` is a pytree of the arrays, the indices and the row
-(the structure and the real-row count are static). Keras's own tree utilities
-(its `keras` optree namespace) see the batch it stands for, gathered: Keras
-reads one batch outside the step, to build a model symbolically.
+(the structure and the real-row count are static). Keras reads one batch
+outside the step, to build a model (`predict` unpacks it and calls the model
+on `x`; `fit` reads its shapes): Keras's own tree utilities (its `keras`
+optree namespace) see the batch it stands for, gathered, its real rows
+only; and a batch that is a tuple `(x, y, sample_weight)` reaches Keras as
+a tuple (`keras_form`: a `ResidentTuple` of `ResidentElement`s), so that
+Keras unpacks it as it unpacks the batch.
 """
 
 import functools
@@ -27,9 +31,9 @@ from typing import Any
 import jax
 import optree
 
-from keras_dist.data._partial_batch import as_padded_batch
+from keras_dist.data._partial_batch import as_padded_batch, unpad
 
-__all__ = ["ResidentBatch", "gathering"]
+__all__ = ["ResidentBatch", "ResidentTuple", "gathering", "keras_form"]
 
 
 class ResidentBatch:
@@ -76,6 +80,16 @@ class ResidentBatch:
             rows = take(list(self.arrays), indices)
         return as_padded_batch(jax.tree.unflatten(self.treedef, rows), self.num_real)
 
+    def real_batch(self) -> Any:
+        """The batch it stands for, gathered with `take`: its real rows only."""
+        view = self.__dict__.get("_real_batch")
+        if view is None:
+            view = unpad(self.gather(self.take))
+            if self.num_real is not None and not _is_tuple(self.treedef):
+                view = view[0]  # `as_padded_batch` put a bare batch in a tuple.
+            self.__dict__["_real_batch"] = view
+        return view
+
 
 # Flattened by JAX's own (C++) node for these fields: a step's call passes
 # its batch with no Python callback (the structure and count are static).
@@ -88,8 +102,8 @@ jax.tree_util.register_dataclass(
 
 def _keras_flatten(batch: ResidentBatch):
     # One child, the gathered batch in its own structure (a bare array, a
-    # tuple, a `PaddedBatch`...), which Keras's tree walks in turn.
-    return (batch.gather(batch.take),), None, None
+    # tuple...), which Keras's tree walks in turn.
+    return (batch.real_batch(),), None, None
 
 
 def _keras_unflatten(_, children):
@@ -98,6 +112,63 @@ def _keras_unflatten(_, children):
 
 optree.register_pytree_node(
     ResidentBatch, _keras_flatten, _keras_unflatten, namespace="keras"
+)
+
+
+class ResidentElement:
+    """Element `index` of a `ResidentBatch` whose batch is a tuple.
+
+    What Keras's `unpack_x_y_sample_weight` takes out of a `ResidentTuple`
+    (e.g. `x`); Keras's tree utilities see that element, gathered.
+    """
+
+    def __init__(self, batch: ResidentBatch, index: int):
+        self.batch = batch
+        self.index = index
+
+
+class ResidentTuple(tuple):
+    """A `ResidentBatch` whose batch is a tuple, as a tuple of its elements.
+
+    Built from its items alone (`ResidentTuple(items)`), as Keras's tracking
+    and tree utilities rebuild tuples. For JAX it is the `ResidentBatch`.
+    """
+
+    @property
+    def batch(self) -> ResidentBatch:
+        return self[0].batch
+
+
+def _is_tuple(treedef) -> bool:
+    kind = treedef.node_data()
+    return kind is not None and kind[0] is tuple
+
+
+def keras_form(batch: ResidentBatch) -> Any:
+    """`batch` as Keras's loop gets it: a `ResidentTuple` if the batch is a tuple."""
+    if not _is_tuple(batch.treedef):
+        return batch
+    return ResidentTuple(
+        ResidentElement(batch, i) for i in range(len(batch.treedef.children()))
+    )
+
+
+jax.tree_util.register_pytree_node(
+    ResidentTuple,
+    lambda form: ((form.batch,), None),
+    lambda _, children: keras_form(children[0]),
+)
+optree.register_pytree_node(
+    ResidentTuple,
+    lambda form: (tuple(form.batch.real_batch()), None, None),
+    lambda _, children: tuple(children),
+    namespace="keras",
+)
+optree.register_pytree_node(
+    ResidentElement,
+    lambda element: ((element.batch.real_batch()[element.index],), None, None),
+    lambda _, children: children[0],
+    namespace="keras",
 )
 
 
@@ -111,10 +182,15 @@ def gathering(step: Callable, take: Callable[[], Callable | None]) -> Callable:
 
     @functools.wraps(step)
     def wrapped(*args, **kwargs):
-        if any(isinstance(a, ResidentBatch) for a in args):
+        if any(isinstance(a, (ResidentBatch, ResidentTuple)) for a in args):
             gather = take()
             args = tuple(
-                a.gather(gather) if isinstance(a, ResidentBatch) else a for a in args
+                a.gather(gather)
+                if isinstance(a, ResidentBatch)
+                else a.batch.gather(gather)
+                if isinstance(a, ResidentTuple)
+                else a
+                for a in args
             )
         return step(*args, **kwargs)
 
