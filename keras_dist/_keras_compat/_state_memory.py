@@ -36,6 +36,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._host_memory import reading_stored, stored_reads
 
@@ -92,15 +93,24 @@ def variable_value(value: property) -> property:
     @functools.wraps(read)
     def in_device_memory(variable):
         result = read(variable)
-        if not isinstance(result, jax.Array) or isinstance(result, jax.core.Tracer):
+        stored = getattr(variable, "_value", None)
+        if not isinstance(stored, jax.Array) or isinstance(stored, jax.core.Tracer):
             return result
-        kind = getattr(result.sharding, "memory_kind", None)
-        if kind in (_DEVICE, None) or reading_stored():
+        kind = getattr(stored.sharding, "memory_kind", None)
+        if kind in (_DEVICE, None) or reading_stored() or _in_device_memory(result):
             return result
-        return jax.device_put(result, result.sharding.with_memory_kind(_DEVICE))
+        # Also a traced read (its autocast included): a transfer in the program.
+        return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
 
     in_device_memory._keras_dist_wrapped = read
     return property(in_device_memory, value.fset, value.fdel, value.__doc__)
+
+
+def _in_device_memory(value) -> bool:
+    """A concrete array already in device memory (e.g. a stateless scope's)."""
+    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return False
+    return getattr(value.sharding, "memory_kind", None) in (_DEVICE, None)
 
 
 def stored_state_read(method: Callable) -> Callable:

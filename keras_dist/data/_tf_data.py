@@ -11,9 +11,9 @@ from typing import Any
 
 __all__ = [
     "BATCHED",
-    "cardinality",
     "ROWS",
     "UNKNOWN",
+    "cardinality",
     "check_tf_dataset",
     "is_tf_dataset",
     "rows_or_batches",

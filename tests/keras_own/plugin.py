@@ -17,7 +17,6 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
-import pytest  # noqa: E402
 
 STRATEGIES = ("mirrored", "central_storage")
 
@@ -47,9 +46,7 @@ def pytest_configure(config):
 
         original(self)
         strategy = (
-            kd.MirroredStrategy()
-            if name == "mirrored"
-            else kd.CentralStorageStrategy()
+            kd.MirroredStrategy() if name == "mirrored" else kd.CentralStorageStrategy()
         )
         scope = strategy.scope()
         scope.__enter__()
