@@ -17,11 +17,13 @@ from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 
 
 def test_checked_against_the_installed_keras():
-    assert _keras_compat.CHECKED_KERAS == "3.15"
-    assert keras.__version__.startswith(_keras_compat.CHECKED_KERAS + "."), (
-        f"_keras_compat was checked against Keras {_keras_compat.CHECKED_KERAS}.x "
+    assert _keras_compat.CHECKED_KERAS == ("3.15", "3.16")
+    minor = ".".join(keras.__version__.split(".")[:2])
+    assert minor in _keras_compat.CHECKED_KERAS, (
+        f"_keras_compat was checked against Keras {_keras_compat.CHECKED_KERAS} "
         f"but Keras {keras.__version__} is installed"
     )
+    assert _keras_compat._KERAS_PIN == "keras>=3.15,<3.17"
 
 
 def test_every_seam_exists_with_the_expected_signature():

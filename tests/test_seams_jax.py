@@ -16,14 +16,18 @@ def test_seams_lists_jax_names_and_keras_hooks():
     found = _keras_compat.seams()
     for module, path in (*JAX_PRIVATE, *KERAS_HOOKS):
         assert f"{module}.{path}" in found
-    hook = found["keras.distribution.DataParallel.distribute_dataset"]
-    assert hook is keras.distribution.DataParallel.distribute_dataset
+    hook = found["keras.distribution.DataParallel.num_processes"]
+    assert hook is keras.distribution.DataParallel.num_processes
 
 
 def test_a_moved_keras_hook_fails_loudly(monkeypatch):
-    owner = _owner_of(keras.distribution.DataParallel, "distribute_dataset")
-    monkeypatch.delattr(owner, "distribute_dataset")
-    with pytest.raises(ImportError, match=r"no longer has \[.*distribute_dataset"):
+    owner = _owner_of(keras.distribution.DataParallel, "num_processes")
+    monkeypatch.delattr(owner, "num_processes")
+    with pytest.raises(
+        ImportError,
+        match=r"checked against Keras 3\.15\.x and 3\.16\.x; .*no longer has "
+        r"\[.*num_processes.*Install `keras>=3\.15,<3\.17`",
+    ):
         _keras_compat.seams()
 
 

@@ -4,7 +4,8 @@ Everything else plugs into public Keras API: strategies subclass
 `keras.distribution.DataParallel`, so Keras itself creates variables
 replicated on the mesh and lays batches out over it. Three things the public
 API cannot express are done here, on Keras's JAX trainer
-(`keras.src.backend.jax.trainer`), checked against Keras `CHECKED_KERAS`:
+(`keras.src.backend.jax.trainer`), checked against the Keras minor releases
+`CHECKED_KERAS` (3.15 and the 3.16 dev build):
 
 1. **Batches** (`_input.py`). Keras turns each host batch into a global
    array with the module function `_distribute_data` (per pass in
@@ -57,10 +58,13 @@ API cannot express are done here, on Keras's JAX trainer
    keeps variables outside device memory (`CentralStorageStrategy`), the
    steps Keras compiles (`jit`, donated state) move their state to device
    memory first and give it back in host memory as their outputs; eager
-   steps do the same around the call; and `JaxVariable.value`, read outside
-   Keras's collection of a step's state (`_get_jax_state`), eagerly or while
-   JAX traces (Keras's `compute_output_spec`, a user's `jax.jit(model)`),
-   gives a host-memory variable through a transfer to device memory.
+   steps do the same around the call; and `JaxVariable.value`, read to
+   compute with it — while JAX traces (Keras's `compute_output_spec`, a
+   user's `jax.jit(model)`) or eagerly by Keras's ops and the variable's
+   operators (`model(x)`, `kernel[0]`, `kernel == x`) — gives a host-memory
+   variable through a transfer to device memory. Read directly
+   (`variable.value`, saving, Keras's trainer collecting its state), it is
+   the stored array.
 
 9. **Gradient accumulation as documented** (`_accumulation.py`): under a
    strategy, `gradient_accumulation_steps=N` computes one update per N
@@ -101,6 +105,7 @@ from keras_dist._keras_compat._input import (
     _jit,
     _make_function,
 )
+from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
 from keras_dist._keras_compat._jax_seams import find as _find
 from keras_dist._keras_compat._loop import BATCH_HOOKS, _batch_hook, _layer_setattr
@@ -111,7 +116,7 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
-from keras_dist._keras_compat._state_memory import stored_state_read, variable_value
+from keras_dist._keras_compat._state_memory import variable_value
 from keras_dist._keras_compat._tf_dataset import tf_dataset_adapter_init
 from keras_dist._keras_compat._variables import (
     _assign,
@@ -120,7 +125,9 @@ from keras_dist._keras_compat._variables import (
 )
 from keras_dist._version import __version__
 
-CHECKED_KERAS = "3.15"
+# The Keras minor releases every seam was checked against (pyproject.toml pins
+# `keras>=3.15,<3.17`; `.ci/run` runs the suite on both).
+CHECKED_KERAS = ("3.15", "3.16")
 ENTRY_POINTS = (
     "fit",
     "evaluate",
@@ -157,8 +164,6 @@ _SEAMS: tuple = (
     *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
     *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
     (_TRAINER, "JAXTrainer.jax_state_sync", None),
-    (_TRAINER, "JAXTrainer._get_jax_state", stored_state_read),
-    (_TRAINER, "JAXTrainer._get_state_sharding_spec", stored_state_read),
     (
         _BASE_OPTIMIZER,
         "BaseOptimizer.add_variable_from_reference",
@@ -231,11 +236,15 @@ def seams() -> dict[str, Any]:
     found = {path: _lookup(module, path)[2] for module, path, _ in _SEAMS}
     missing = [name for name, obj in found.items() if obj is None]
     hooks, missing_hooks = _find(KERAS_HOOKS)
-    if missing or missing_hooks:
+    missing += missing_hooks + _private.check()
+    originals = {path: _originals.get(path, obj) for path, obj in found.items()}
+    changed = _private.check_signatures(originals)
+    if missing or changed:
         raise ImportError(
-            f"keras_dist {_version()} was checked against Keras {CHECKED_KERAS}.x; "
-            f"Keras {keras.__version__} no longer has {missing + missing_hooks}. "
-            f"Install `keras>={CHECKED_KERAS},<3.16` or upgrade keras_dist."
+            f"keras_dist {_version()} was checked against Keras "
+            f"{_minors(CHECKED_KERAS)}; Keras {keras.__version__} no longer has "
+            f"{missing}{_changed(changed)}. Install `{_KERAS_PIN}` or upgrade "
+            "keras_dist."
         )
     private_jax, missing_jax = _find(JAX_PRIVATE)
     if missing_jax:
@@ -245,6 +254,17 @@ def seams() -> dict[str, Any]:
             f"`jax>={CHECKED_JAX},<0.11` or upgrade keras_dist."
         )
     return {**found, **hooks, **private_jax}
+
+
+_KERAS_PIN = f"keras>={CHECKED_KERAS[0]},<3.{int(CHECKED_KERAS[-1][2:]) + 1}"
+
+
+def _changed(changed: list[str]) -> str:
+    return f", and changed the signatures of {changed}" if changed else ""
+
+
+def _minors(minors: tuple[str, ...]) -> str:
+    return " and ".join(f"{m}.x" for m in minors)
 
 
 def _version() -> str:

@@ -22,25 +22,36 @@ Outside the steps, a variable joins computations directly: Keras traces
 code that reads variables (`compute_output_spec` builds the metrics of a
 first `fit` with `jax.eval_shape` over the model), a user's `jax.jit(model)`
 does too, and eager code computes on them (`model(x)` to check a shape,
-`kernel[0]`, Keras's eager loss-scale paths). `variable_value` wraps
-`JaxVariable.value` so that a variable stored in host memory is read in
-device memory, the memory of the computation it joins: a `jax.device_put`
-(traced: a transfer in the program; eager: a copy). What must see the state
-as stored reads it inside `strategies/_host_memory.stored_reads()`: Keras's
-trainer collecting a step's state and its shardings (`stored_state_read`
-wraps `JAXTrainer._get_jax_state` and `_get_state_sharding_spec`), backups
-and memory reports.
+`kernel[0]`, `kernel == x` in Keras's loss-scale tests). `variable_value`
+wraps `JaxVariable.value` so that a variable stored in host memory is read
+in device memory, the memory of the computation it joins — a
+`jax.device_put` (traced: a transfer in the program; eager: a copy) —
+when JAX traces, or when the reader is one of the Keras functions through
+which a variable enters a computation (`joining_functions`: the backend's
+`convert_to_tensor` that every op calls, `__jax_array__` for `jax.numpy`,
+and the variable's operators). Read directly — `variable.value` by a user,
+Keras's trainer collecting a step's state and its shardings, saving — it is
+the stored array, where the strategy keeps it.
 """
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import jax
+from keras.src.backend.common.variables import Variable
+from keras.src.backend.jax import core
+from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._host_memory import reading_stored, stored_reads
 
-__all__ = ["compiled_step", "eager_step", "stored_state_read", "variable_value"]
+__all__ = ["compiled_step", "eager_step", "joining_functions", "variable_value"]
+
+# A variable's methods that read its value to inspect or convert it, not to
+# compute with it.
+_NOT_JOINING = frozenset(
+    {"__init__", "__repr__", "__str__", "__array__", "__int__", "__float__"}
+)
 
 _DEVICE = "device"
 
@@ -86,24 +97,43 @@ def _unchanged_as_stored(new_state, moved, stored):
     return jax.tree.map(lambda x: back.get(id(x), x), new_state)
 
 
+def joining_functions() -> tuple[Callable, ...]:
+    """The Keras functions through which a variable's value enters a computation."""
+    operators = tuple(
+        function
+        for name, function in vars(Variable).items()
+        if name.startswith("__")
+        and name.endswith("__")
+        and name not in _NOT_JOINING
+        and inspect.isfunction(function)
+    )
+    return (core.convert_to_tensor, core.JaxVariable.__jax_array__, *operators)
+
+
+_JOINING = frozenset(function.__code__ for function in joining_functions())
+
+
 def variable_value(value: property) -> property:
-    """`JaxVariable.value`, read in device memory unless read as stored."""
+    """`JaxVariable.value`, in device memory where it joins a computation."""
     read = value.fget
 
     @functools.wraps(read)
-    def in_device_memory(variable):
+    def value_for_reader(variable):
         result = read(variable)
         stored = getattr(variable, "_value", None)
         if not isinstance(stored, jax.Array) or isinstance(stored, jax.core.Tracer):
             return result
         kind = getattr(stored.sharding, "memory_kind", None)
-        if kind in (_DEVICE, None) or reading_stored() or _in_device_memory(result):
+        if kind in (_DEVICE, None) or _in_device_memory(result):
             return result
+        caller = inspect.currentframe().f_back
+        if not is_in_jax_tracing_scope() and caller.f_code not in _JOINING:
+            return result  # Read as stored: by a user, the trainer, saving.
         # Also a traced read (its autocast included): a transfer in the program.
         return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
 
-    in_device_memory._keras_dist_wrapped = read
-    return property(in_device_memory, value.fset, value.fdel, value.__doc__)
+    value_for_reader._keras_dist_wrapped = read
+    return property(value_for_reader, value.fset, value.fdel, value.__doc__)
 
 
 def _in_device_memory(value) -> bool:
@@ -111,15 +141,3 @@ def _in_device_memory(value) -> bool:
     if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
         return False
     return getattr(value.sharding, "memory_kind", None) in (_DEVICE, None)
-
-
-def stored_state_read(method: Callable) -> Callable:
-    """A trainer method that collects the state as stored (host memory included)."""
-
-    @functools.wraps(method)
-    def as_stored(*args, **kwargs):
-        with stored_reads():
-            return method(*args, **kwargs)
-
-    as_stored._keras_dist_wrapped = method
-    return as_stored

@@ -6,7 +6,6 @@ import jax
 import numpy as np
 
 from keras_dist.errors import IncompatibleBackupError
-from keras_dist.strategies._host_memory import stored_reads
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
@@ -53,8 +52,7 @@ class BackupStore:
         import orbax.checkpoint as ocp
 
         groups = variable_groups(model)
-        with stored_reads():  # Host-memory state saved from where it is.
-            state = {name: [v.value for v in vs] for name, vs in groups.items()}
+        state = {name: [v.value for v in vs] for name, vs in groups.items()}
         meta = {
             **meta,
             "variables": {
@@ -89,16 +87,13 @@ class BackupStore:
         if not steps:
             return None
         groups = variable_groups(model)
-        with stored_reads():  # Restored straight into the variables' memory.
-            abstract = {
-                name: [
-                    jax.ShapeDtypeStruct(
-                        v.shape, v.value.dtype, sharding=v.value.sharding
-                    )
-                    for v in vs
-                ]
-                for name, vs in groups.items()
-            }
+        abstract = {
+            name: [
+                jax.ShapeDtypeStruct(v.shape, v.value.dtype, sharding=v.value.sharding)
+                for v in vs
+            ]
+            for name, vs in groups.items()
+        }
         for number in steps:
             try:
                 meta = self._manager.restore(

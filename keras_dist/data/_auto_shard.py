@@ -57,6 +57,9 @@ class AutoShardPolicy(enum.IntEnum):
     DATA = 2
 
 
+_POLICY_VALUES = frozenset(policy.value for policy in AutoShardPolicy)
+
+
 def with_auto_shard_policy(dataset: Any, policy: "AutoShardPolicy | str") -> Any:
     """`dataset` with its auto-shard policy set (tf's dataset option).
 
@@ -73,7 +76,7 @@ def with_auto_shard_policy(dataset: Any, policy: "AutoShardPolicy | str") -> Any
     if isinstance(policy, str) and policy.upper() in AutoShardPolicy.__members__:
         policy = AutoShardPolicy[policy.upper()]
     value = getattr(policy, "value", policy)
-    if isinstance(value, bool) or value not in AutoShardPolicy._value2member_map_:
+    if isinstance(value, bool) or value not in _POLICY_VALUES:
         raise ValueError(
             f"`policy` must be one of {[p.name for p in AutoShardPolicy]}. "
             f"Received: policy={policy!r}."
@@ -90,7 +93,7 @@ def auto_shard_policy(dataset: Any) -> AutoShardPolicy:
     options = dataset.options()
     value = options.experimental_distribute.auto_shard_policy
     value = int(getattr(value, "value", value))
-    if value not in AutoShardPolicy._value2member_map_:
+    if value not in _POLICY_VALUES:
         raise ValueError(
             f"keras_dist supports the auto-shard policies "
             f"{[p.name for p in AutoShardPolicy]}. Received: auto_shard_policy="

@@ -14,24 +14,13 @@ operation and give their new state back in host memory (the step's
 call (`_keras_compat/_input.py` connects both to Keras's trainer).
 """
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = [
-    "DEVICE",
-    "HOST",
-    "MemoryLayout",
-    "host_memory_kind",
-    "move",
-    "reading_stored",
-    "stored_reads",
-]
+__all__ = ["DEVICE", "HOST", "MemoryLayout", "host_memory_kind", "move"]
 
 DEVICE = "device"
 HOST = "pinned_host"
@@ -87,27 +76,3 @@ def host_memory_kind(devices) -> str | None:
 def move(state: Any, sharding: NamedSharding) -> Any:
     """Every array of `state` laid out by `sharding` (inside `jit` too)."""
     return jax.tree.map(lambda x: jax.device_put(x, sharding), state)
-
-
-_STORED = contextvars.ContextVar("keras_dist_stored_reads", default=False)
-
-
-@contextlib.contextmanager
-def stored_reads() -> Iterator[None]:
-    """Within: `variable.value` is the stored array, in host memory if kept there.
-
-    Elsewhere a variable kept in host memory is read in device memory, the
-    memory of any computation it joins (`_keras_compat/_state_memory.py`).
-    What reads the state *as stored* — Keras's trainer collecting a step's
-    state and its shardings, backups, memory reports — reads it in here.
-    """
-    token = _STORED.set(True)
-    try:
-        yield
-    finally:
-        _STORED.reset(token)
-
-
-def reading_stored() -> bool:
-    """Whether the caller is inside `stored_reads()`."""
-    return _STORED.get()

@@ -4,7 +4,6 @@ import dataclasses
 
 import numpy as np
 
-from keras_dist.strategies._host_memory import stored_reads
 from keras_dist.strategies._placement import BATCH_AXIS
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
@@ -140,8 +139,7 @@ def memory_report(strategy, model) -> MemoryReport:
 
 def _describe(strategy, variable, kind: str, per_device: dict) -> VariableMemory:
     """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
-    with stored_reads():
-        value = variable.value
+    value = variable.value
     shape = tuple(int(d) for d in value.shape)
     nbytes = int(np.prod(shape, dtype=np.int64)) * value.dtype.itemsize
     memory_kind = getattr(value.sharding, "memory_kind", None) or _DEVICE

@@ -1,7 +1,8 @@
 """A pytest plugin: run Keras's own tests inside a keras_dist strategy's scope.
 
-    python -m pytest -p tests.keras_own.plugin --kd-strategy=mirrored \
-        "$(python -c 'import keras, os; print(os.path.dirname(keras.__file__))')/src/trainers/trainer_test.py"
+    KERAS=$(python -c 'import keras, os; print(os.path.dirname(keras.__file__))')
+    python -m pytest -p tests.keras_own.plugin -o addopts= \
+        --kd-strategy=mirrored "$KERAS/src/trainers/trainer_test.py"
 
 Every test runs inside `strategy.scope()` of a fresh strategy over 8 virtual
 CPU devices (`--kd-strategy`: `mirrored` or `central_storage`), as a user

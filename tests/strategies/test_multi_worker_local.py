@@ -98,7 +98,7 @@ def test_auto_shard_policy_is_read_from_the_dataset_options():
 def test_one_process_keeps_the_dataset_whole(no_cluster):
     dataset = kd.data.with_auto_shard_policy(tf.data.Dataset.range(8).batch(4), "FILE")
     strategy = kd.MirroredStrategy()
-    assert strategy.distribute_dataset(dataset) is dataset
+    assert _auto_shard.per_process_share(strategy, dataset) is dataset
 
 
 def test_per_process_share_rebatches_and_needs_a_divisible_batch():

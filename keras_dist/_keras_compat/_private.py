@@ -1,0 +1,296 @@
+"""Every private name of Keras, JAX and TensorFlow keras_dist uses, by kind.
+
+The functions keras_dist wraps or reads by name are `_SEAMS` (`__init__.py`),
+the private JAX names of the cluster layer `JAX_PRIVATE` (`_jax_seams.py`).
+This module lists the rest, so that the fence is whole:
+
+- `PRIVATE_IMPORTS`: names imported from private modules (`keras.src`,
+  `jax._src`, `tensorflow.python`), as `(module, name)`.
+- `PRIVATE_ATTRIBUTES`: private attributes of other packages' objects that
+  keras_dist reads, writes or calls on an instance (or through `self` in a
+  subclass), as `(module, "Class", attributes)`: an instance attribute is
+  found in the source of the class or one of its bases.
+- `TF_PRIVATE_ATTRIBUTES`: the same for tf.data's classes. Checked when
+  TensorFlow is already imported (keras_dist never imports it itself at
+  import time); `data/_tf_data.py` treats a missing one as "unknown".
+- `SIGNATURES`: the parameters each wrapped function was written for.
+
+`check()` fails loudly (an `ImportError` naming the missing names) when a
+release moves one; `tests/test_fence.py` reads every private name the code
+of `keras_dist/` uses from its syntax tree and compares it with these tables.
+"""
+
+import importlib
+import inspect
+import re
+import sys
+from typing import Any
+
+__all__ = [
+    "PRIVATE_ATTRIBUTES",
+    "PRIVATE_IMPORTS",
+    "SIGNATURES",
+    "TF_PRIVATE_ATTRIBUTES",
+    "check",
+    "check_signatures",
+]
+
+_OPTIMIZER = "keras.src.optimizers.base_optimizer"
+
+PRIVATE_IMPORTS: tuple = (
+    ("keras.src", "tree"),  # _array_input: `none_is_leaf`, as Keras's adapters.
+    ("keras.src.trainers.data_adapters", "array_slicing"),  # _array_input
+    ("keras.src.backend.config", "is_nnx_enabled"),  # _loop
+    ("keras.src.utils.python_utils", "is_default"),  # _loop
+    ("keras.src.initializers.random_initializers", "RandomInitializer"),  # _variables
+    ("keras.src.random.seed_generator", "draw_seed"),  # _variables
+    ("keras.src.utils", "rng_utils"),  # global_seed
+    ("keras.src.backend.common.variables", "Variable"),  # _state_memory
+    ("keras.src.backend.jax", "core"),  # _state_memory
+    ("jax._src", "clusters"),  # cluster/_environment
+    ("jax._src.clusters", "cloud_tpu_cluster"),  # cluster/_tpu_devices
+    ("jax._src", "distributed"),  # cluster/_initialize, _sync
+    ("jax._src", "xla_bridge"),  # cluster/_initialize
+    ("tensorflow.python.data.experimental.ops", "distribute"),  # data/_auto_shard
+    ("tensorflow.python.data.ops", "dataset_ops"),  # data/_tf_data
+)
+
+PRIVATE_ATTRIBUTES: tuple = (
+    (
+        "keras.src.trainers.data_adapters.array_data_adapter",
+        "ArrayDataAdapter",
+        ("_inputs", "_batch_size", "_shuffle", "_num_samples", "_get_iterator"),
+    ),
+    (
+        "keras.src.trainers.data_adapters.tf_dataset_adapter",
+        "TFDatasetAdapter",
+        ("_dataset",),
+    ),
+    (
+        "keras.src.backend.jax.core",
+        "JaxVariable",
+        ("_value", "_dtype", "_shape", "_layout", "_initialize_layout"),
+    ),
+    (
+        "keras.src.backend.jax.trainer",
+        "JAXTrainer",
+        ("_jax_state", "_jax_state_synced"),
+    ),
+    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch",)),
+    (
+        _OPTIMIZER,
+        "BaseOptimizer",
+        (
+            "_learning_rate",
+            "_iterations",
+            "_track_variable",
+            "_accumulated_gradients",
+            "_get_variable_index",
+            "_trainable_variables",
+            "_clip_gradients",
+            "_apply_weight_decay",
+            "_backend_update_step",
+            "_update_model_variables_moving_average",
+            "_model_variables_moving_average",
+        ),
+    ),
+    (
+        "keras.src.layers.normalization.batch_normalization",
+        "BatchNormalization",
+        ("_moments", "_reduction_axes"),
+    ),
+    ("jax._src.clusters", "ClusterEnv", ("_cluster_types",)),
+    # strategies/_host_memory.MemoryLayout sets Keras's cached sharding.
+    ("keras.src.distribution.distribution_lib", "TensorLayout", ("_backend_layout",)),
+    # callbacks/_model_checkpoint overrides `_save_model` and calls the others.
+    (
+        "keras.src.callbacks.model_checkpoint",
+        "ModelCheckpoint",
+        ("_save_model", "_get_file_path", "_should_save_model"),
+    ),
+)
+
+TF_PRIVATE_ATTRIBUTES: tuple = (
+    (
+        "tensorflow.python.data.ops.dataset_ops",
+        "DatasetV2",
+        ("_inputs",),
+    ),
+    (
+        "tensorflow.python.data.ops.dataset_ops",
+        "UnaryDataset",
+        ("_input_dataset",),
+    ),
+    (
+        "tensorflow.python.data.ops.dataset_ops",
+        "DatasetV1Adapter",
+        ("_dataset",),
+    ),
+    ("tensorflow.python.data.ops.dataset_ops", "UnaryUnchangedStructureDataset", ()),
+    (
+        "tensorflow.python.data.experimental.ops.distribute",
+        "_AutoShardDataset",
+        (),
+    ),
+)
+
+# What each wrapped function (`_SEAMS`) was written for: its parameters, in
+# order (a prefix for JAX's `jit`, whose later options keras_dist passes on).
+SIGNATURES: dict[str, tuple[str, ...]] = {
+    "jit": ("fun",),
+    "_distribute_data": ("data", "layouts"),
+    "JAXEpochIterator._get_distributed_iterator": ("self", "distribution"),
+    "JAXEpochIterator._enumerate_iterator": ("self",),
+    "JAXTrainer._make_function": ("self", "step_function", "concatenate_outputs"),
+    "JAXTrainer.fit": (
+        "self",
+        "x",
+        "y",
+        "batch_size",
+        "epochs",
+        "verbose",
+        "callbacks",
+        "validation_split",
+        "validation_data",
+        "shuffle",
+        "class_weight",
+        "sample_weight",
+        "initial_epoch",
+        "steps_per_epoch",
+        "validation_steps",
+        "validation_batch_size",
+        "validation_freq",
+    ),
+    "JAXTrainer.evaluate": (
+        "self",
+        "x",
+        "y",
+        "batch_size",
+        "verbose",
+        "sample_weight",
+        "steps",
+        "callbacks",
+        "return_dict",
+        "kwargs",
+    ),
+    "JAXTrainer.predict": ("self", "x", "batch_size", "verbose", "steps", "callbacks"),
+    "JAXTrainer.train_on_batch": (
+        "self",
+        "x",
+        "y",
+        "sample_weight",
+        "class_weight",
+        "return_dict",
+    ),
+    "JAXTrainer.test_on_batch": ("self", "x", "y", "sample_weight", "return_dict"),
+    "JAXTrainer.predict_on_batch": ("self", "x"),
+    "JAXTrainer.make_train_function": ("self", "force"),
+    "JAXTrainer.make_test_function": ("self", "force"),
+    "JAXTrainer.make_predict_function": ("self", "force"),
+    "BaseOptimizer.add_variable_from_reference": (
+        "self",
+        "reference_variable",
+        "name",
+        "initializer",
+    ),
+    "BaseOptimizer.stateless_apply": (
+        "self",
+        "optimizer_variables",
+        "grads",
+        "trainable_variables",
+    ),
+    "BaseOptimizer._get_current_learning_rate": ("self",),
+    "JaxOptimizer._backend_apply_gradients": ("self", "grads", "trainable_variables"),
+    "LossScaleOptimizer.check_finite": ("self", "grads"),
+    "JaxVariable._initialize_with_initializer": ("self", "initializer"),
+    "JaxVariable.assign": ("self", "value"),
+    "JaxVariable._direct_assign": ("self", "value"),
+    "JaxVariable.value": ("self",),
+    "Variable.__array__": ("self", "dtype"),
+    "TFDatasetAdapter.__init__": ("self", "dataset", "class_weight", "distribution"),
+    "Layer.__setattr__": ("self", "name", "value"),
+    **{
+        f"CallbackList.on_{mode}_batch_{end}": ("self", "batch", "logs")
+        for mode in ("train", "test", "predict")
+        for end in ("begin", "end")
+    },
+}
+
+
+def _class(module: str, name: str) -> Any:
+    try:
+        owner = importlib.import_module(module)
+    except ImportError:
+        return None
+    return getattr(owner, name, None)
+
+
+def _has(cls: type, attribute: str) -> bool:
+    """Whether instances of `cls` have `attribute`: a class member or set in source."""
+    if hasattr(cls, attribute):
+        return True
+    pattern = re.compile(rf"\bself\.{re.escape(attribute)}\s*(:[^=]*)?=[^=]")
+    for klass in cls.__mro__:
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if pattern.search(source):
+            return True
+    return False
+
+
+def _missing_attributes(table: tuple) -> list[str]:
+    missing = []
+    for module, name, attributes in table:
+        cls = _class(module, name)
+        if cls is None:
+            missing.append(f"{module}.{name}")
+            continue
+        missing += [f"{module}.{name}.{a}" for a in attributes if not _has(cls, a)]
+    return missing
+
+
+def _missing_imports(table: tuple) -> list[str]:
+    missing = []
+    for module, name in table:
+        if module.startswith("tensorflow") and "tensorflow" not in sys.modules:
+            continue
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module}.{name}")
+            continue
+        if getattr(owner, name, None) is None:
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{module}.{name}")
+    return missing
+
+
+def check() -> list[str]:
+    """The listed private names a Keras, JAX or TF release no longer has."""
+    missing = _missing_imports(PRIVATE_IMPORTS) + _missing_attributes(
+        PRIVATE_ATTRIBUTES
+    )
+    if "tensorflow" in sys.modules:
+        missing += _missing_attributes(TF_PRIVATE_ATTRIBUTES)
+    return missing
+
+
+def check_signatures(originals: dict[str, Any]) -> list[str]:
+    """`"name: expected (...), found (...)"` for each wrapped function that changed."""
+    changed = []
+    for path, expected in SIGNATURES.items():
+        function = originals.get(path)
+        if isinstance(function, property):
+            function = function.fget
+        if function is None:
+            continue  # Reported as missing by `seams()`.
+        found = tuple(inspect.signature(function).parameters)
+        if found[: len(expected)] != expected or (
+            path != "jit" and len(found) != len(expected)
+        ):
+            changed.append(f"{path}: written for {expected}, found {found}")
+    return changed
