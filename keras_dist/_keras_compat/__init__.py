@@ -93,6 +93,7 @@ import jax
 import keras
 import numpy as np
 
+from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._accumulation import (
     _backend_apply_gradients,
     _get_current_learning_rate,
@@ -105,7 +106,6 @@ from keras_dist._keras_compat._input import (
     _jit,
     _make_function,
 )
-from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
 from keras_dist._keras_compat._jax_seams import find as _find
 from keras_dist._keras_compat._loop import BATCH_HOOKS, _batch_hook, _layer_setattr
