@@ -238,3 +238,19 @@ def test_the_fence_finds_a_new_private_read(tmp_path, monkeypatch):
     trees[module] = ast.parse("def f(model):\n    return model._compile_config\n")
     attributes, _ = _used(trees)
     assert attributes["_compile_config"] == ["keras_dist/_fence_probe.py:2"]
+
+
+def test_readme_gives_the_counts_of_the_tables():
+    readme = (_PACKAGE.parent / "README.md").read_text()
+    text = " ".join(readme.split())
+    wrapped = sum(1 for _, _, wrap in _keras_compat._SEAMS if wrap is not None)
+    read = sum(1 for _, _, wrap in _keras_compat._SEAMS if wrap is None)
+    attributes = sum(len(names) for _, _, names in _private.PRIVATE_ATTRIBUTES)
+    tf_names = sum(len(names) or 1 for _, _, names in _private.TF_PRIVATE_ATTRIBUTES)
+    for phrase in (
+        f"{wrapped} wrapped functions and {read} read by name",
+        f"{len(_private.PRIVATE_IMPORTS)} names imported from private modules",
+        f"{attributes} private attributes of Keras and JAX objects and {tf_names} of tf.data's",
+        f"{len(_keras_compat.JAX_PRIVATE)} private JAX names",
+    ):
+        assert phrase in text, phrase
