@@ -13,6 +13,7 @@ from keras_dist._keras_compat._input import current_strategy
 from keras_dist._keras_compat._processes import prepare_call
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
+from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._ownership import (
     model_variables,
     strategy_of_model,
@@ -120,7 +121,7 @@ def _strategy_for(model):
     return strategy_of_model(model)
 
 
-def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
+def _check_batch_sizes(signature, strategy: Strategy, model, args, kwargs) -> None:
     try:
         bound = signature.bind(model, *args, **kwargs)
     except TypeError:
@@ -141,7 +142,7 @@ def _check_batch_sizes(signature, strategy, model, args, kwargs) -> None:
         strategy._check_global_batch(value)
 
 
-def _place_variables(model, strategy, *, move: bool = True) -> bool:
+def _place_variables(model, strategy: Strategy, *, move: bool = True) -> bool:
     """Moves variables built outside any scope onto `strategy`; refuses others.
 
     Returns whether a variable was moved (never, with `move=False`).

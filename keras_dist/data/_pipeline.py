@@ -93,7 +93,9 @@ class _Reader:
     stops its thread.
     """
 
-    def __init__(self, strategy, batches, *, source, per_process, channel, call):
+    def __init__(
+        self, strategy: InputTarget, batches, *, source, per_process, channel, call
+    ):
         self.strategy = strategy
         self.source = source
         self.call = call

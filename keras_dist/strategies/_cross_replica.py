@@ -9,7 +9,7 @@ replicas, as the replicas would). All three accept pytrees, and refuse a
 """
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ from keras_dist.strategies._values import (
     real_rows,
 )
 
+if TYPE_CHECKING:  # Imports this module: a cycle at run time.
+    from keras_dist.strategies._base import Strategy
+
 __all__ = ["experimental_local_results", "gather", "reduce"]
 
 
@@ -39,7 +42,7 @@ def _cross_replica_only(name: str) -> None:
         )
 
 
-def _check_same_strategy(strategy, leaf, name: str, value: Any) -> None:
+def _check_same_strategy(strategy: "Strategy", leaf, name: str, value: Any) -> None:
     """Refuses a `PerReplica` or batch split over another strategy's mesh."""
     mesh = foreign_mesh(strategy, leaf)
     if mesh is None:
@@ -66,7 +69,7 @@ def _check_same_strategy(strategy, leaf, name: str, value: Any) -> None:
     )
 
 
-def _as_per_replica(strategy, leaf) -> PerReplica | None:
+def _as_per_replica(strategy: "Strategy", leaf) -> PerReplica | None:
     if isinstance(leaf, PerReplica):
         return leaf
     if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
@@ -99,7 +102,7 @@ def _concat(value: PerReplica, axis: int) -> jax.Array:
     return merged
 
 
-def gather(strategy, value: Any, axis: int) -> Any:
+def gather(strategy: "Strategy", value: Any, axis: int) -> Any:
     _cross_replica_only("gather")
 
     def one(leaf):
@@ -115,7 +118,7 @@ def gather(strategy, value: Any, axis: int) -> Any:
     return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
 
 
-def _everywhere(strategy, result: Any) -> Any:
+def _everywhere(strategy: "Strategy", result: Any) -> Any:
     """With several processes: the whole result on every process (replicated)."""
     if not strategy._spans_processes:
         return result
@@ -128,7 +131,7 @@ def _copy_to(sharding):
     return jax.jit(lambda tree: tree, out_shardings=sharding)
 
 
-def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
+def reduce(strategy: "Strategy", reduce_op, value: Any, axis: int | None = None) -> Any:
     op = ReduceOp.parse(reduce_op)
     _cross_replica_only("reduce")
     replicas = strategy.num_replicas_in_sync
@@ -152,7 +155,7 @@ def reduce(strategy, reduce_op, value: Any, axis: int | None = None) -> Any:
     return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
 
 
-def experimental_local_results(strategy, value: Any) -> tuple:
+def experimental_local_results(strategy: "Strategy", value: Any) -> tuple:
     """A tuple of the value of each replica of this process (pytrees too)."""
     _cross_replica_only("experimental_local_results")
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
@@ -173,7 +176,7 @@ def experimental_local_results(strategy, value: Any) -> tuple:
     )
 
 
-def _local_values(strategy, leaf, local: list[int]) -> list:
+def _local_values(strategy: "Strategy", leaf, local: list[int]) -> list:
     if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
         shards = {s.device: s.data for s in leaf.addressable_shards}
         b = leaf.shape[0] // strategy.num_replicas_in_sync

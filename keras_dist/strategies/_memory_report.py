@@ -1,10 +1,14 @@
 """`MemoryReport`: how many bytes of a model each device holds, and why."""
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from keras_dist.strategies._placement import BATCH_AXIS
+
+if TYPE_CHECKING:  # Imports this module: a cycle at run time.
+    from keras_dist.strategies._base import Strategy
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
 
@@ -112,7 +116,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(strategy, model) -> MemoryReport:
+def memory_report(strategy: "Strategy", model) -> MemoryReport:
     """Reads the layout and the device buffers of every variable of `model`."""
     weights = list(model.trainable_variables) + list(model.non_trainable_variables)
     optimizer = getattr(model, "optimizer", None)
@@ -137,7 +141,9 @@ def memory_report(strategy, model) -> MemoryReport:
     )
 
 
-def _describe(strategy, variable, kind: str, per_device: dict) -> VariableMemory:
+def _describe(
+    strategy: "Strategy", variable, kind: str, per_device: dict
+) -> VariableMemory:
     """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
     value = variable.value
     shape = tuple(int(d) for d in value.shape)

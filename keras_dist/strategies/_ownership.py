@@ -1,7 +1,10 @@
 """Which strategy a variable, or a model, belongs to."""
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # Imports this module: a cycle at run time.
+    from keras_dist.strategies._base import Strategy
 
 __all__ = [
     "is_strategy",
@@ -15,7 +18,7 @@ __all__ = [
 _STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-def register(strategy) -> None:
+def register(strategy: "Strategy") -> None:
     _STRATEGY_OF_MESH[strategy.device_mesh] = strategy
 
 

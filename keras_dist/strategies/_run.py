@@ -24,7 +24,7 @@ mirrored values.
 
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -45,6 +45,9 @@ from keras_dist.strategies._values import (
     other_strategy_error,
 )
 
+if TYPE_CHECKING:  # Imports this module: a cycle at run time.
+    from keras_dist.strategies._base import Strategy
+
 __all__ = ["run"]
 
 
@@ -55,7 +58,9 @@ class _Kind(enum.Enum):
     STATIC = "static"
 
 
-def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+def run(
+    strategy: "Strategy", fn: Callable, args: tuple = (), kwargs: dict | None = None
+) -> Any:
     if not callable(fn):
         raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
     if not isinstance(args, (tuple, list)):
@@ -83,7 +88,7 @@ def run(strategy, fn: Callable, args: tuple = (), kwargs: dict | None = None) ->
     return outputs
 
 
-def _classify(strategy, leaves, tree):
+def _classify(strategy: "Strategy", leaves, tree):
     kinds, values, statics = [], [], []
     per_replica_batch, num_real = None, None
     replicas = strategy.num_replicas_in_sync
@@ -128,7 +133,7 @@ def _classify(strategy, leaves, tree):
     return kinds, values, statics, (per_replica_batch, num_real)
 
 
-def _split_state(strategy, leaf: jax.Array) -> bool:
+def _split_state(strategy: "Strategy", leaf: jax.Array) -> bool:
     sharding = leaf.sharding
     return (
         strategy._shards_state()
@@ -138,7 +143,7 @@ def _split_state(strategy, leaf: jax.Array) -> bool:
     )
 
 
-def _check_same_strategy(strategy, leaf, tree, index: int) -> None:
+def _check_same_strategy(strategy: "Strategy", leaf, tree, index: int) -> None:
     """Refuses a batch or `PerReplica` split over another strategy's mesh."""
     mesh = foreign_mesh(strategy, leaf)
     if mesh is None:
@@ -170,7 +175,7 @@ def _check_replicas(value: PerReplica, replicas: int) -> None:
         )
 
 
-def _compile(strategy, fn, treedef, kinds, statics, batch, values):
+def _compile(strategy: "Strategy", fn, treedef, kinds, statics, batch, values):
     per_replica_batch, num_real = batch
     specs = [
         PartitionSpec() if kind is _Kind.REPLICATED else PartitionSpec(AXIS)
