@@ -27,6 +27,7 @@ trainer to it:
 import functools
 import time
 from collections.abc import Callable
+from typing import Any
 
 import keras
 
@@ -213,7 +214,7 @@ def _distribute_data(data, layouts=None):
     return keras_batch(strategy, data)
 
 
-def _get_distributed_iterator(self, distribution):
+def _get_distributed_iterator(self, distribution: Any):
     """Keras's per-pass batch iterator: one `InputPass` of the pipeline."""
     if not isinstance(distribution, Strategy):
         return _originals["JAXEpochIterator._get_distributed_iterator"](

@@ -22,7 +22,12 @@ __all__ = ["tf_dataset_adapter_init"]
 def tf_dataset_adapter_init(original: Callable) -> Callable:
     """Wraps `TFDatasetAdapter.__init__(self, dataset, class_weight, distribution)`."""
 
-    def __init__(self, dataset, class_weight=None, distribution=None):
+    def __init__(
+        self,
+        dataset,
+        class_weight=None,
+        distribution: Any = None,
+    ):
         original(self, dataset, class_weight=class_weight, distribution=distribution)
         if isinstance(distribution, Strategy):
             self._dataset = per_process_share(distribution, self._dataset)

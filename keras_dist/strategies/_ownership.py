@@ -22,7 +22,7 @@ def register(strategy: "Strategy") -> None:
     _STRATEGY_OF_MESH[strategy.device_mesh] = strategy
 
 
-def is_strategy(distribution) -> bool:
+def is_strategy(distribution: Any) -> bool:
     """Whether `distribution` is a keras_dist strategy (every one registers)."""
     mesh = getattr(distribution, "device_mesh", None)
     return mesh is not None and _STRATEGY_OF_MESH.get(mesh) is distribution
