@@ -250,7 +250,8 @@ def test_readme_gives_the_counts_of_the_tables():
     for phrase in (
         f"{wrapped} wrapped functions and {read} read by name",
         f"{len(_private.PRIVATE_IMPORTS)} names imported from private modules",
-        f"{attributes} private attributes of Keras and JAX objects and {tf_names} of tf.data's",
+        f"{attributes} private attributes of Keras and JAX objects and "
+        f"{tf_names} of tf.data's",
         f"{len(_keras_compat.JAX_PRIVATE)} private JAX names",
     ):
         assert phrase in text, phrase

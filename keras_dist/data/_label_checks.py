@@ -140,12 +140,24 @@ def _sparse_names(model: Any) -> tuple[list[str], int | None]:
     names, ignore_class = [], None
     if _is_sparse(loss):
         names.append(_name(loss))
-        ignore_class = getattr(loss, "ignore_class", None)
+        ignore_class = _ignore_class(loss)
     config = model.get_compile_config() if getattr(model, "compiled", False) else None
     for metric in (config or {}).get("metrics") or []:
         if _is_sparse(metric):
             names.append(_name(metric))
     return list(dict.fromkeys(names)), ignore_class
+
+
+def _ignore_class(loss: Any) -> int | None:
+    """The `ignore_class` of a sparse loss: from its config (Keras 3.16 keeps
+    it in the wrapped function's arguments, 3.15 also as an attribute)."""
+    get_config = getattr(loss, "get_config", None)
+    if callable(get_config):
+        try:
+            return get_config().get("ignore_class")
+        except (NotImplementedError, TypeError):
+            pass
+    return getattr(loss, "ignore_class", None)
 
 
 def _is_sparse(item: Any) -> bool:

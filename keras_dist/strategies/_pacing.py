@@ -6,16 +6,13 @@ flight per device (a semaphore, taken when a device's part of a program is
 launched, on a thread pool). When a fast step with a collective (the
 gradients' all-reduce) fills it, a device's part of one step can wait for a
 slot while the other devices wait for it in the all-reduce: XLA then aborts
-the process after 40 s ("Expected 8 threads to join the rendezvous, but only
-7 of them arrived"). Measured on 8 virtual CPU devices of a 2-core box, it
-takes a few hundred steps of a small model: a hand-written `jax.jit` loop
-hits it as Keras's loops do. A hand-written loop keeping 8, 16 or 28 steps
-in flight never aborted (600 steps each); one epoch of 400 Keras steps
-aborted 2 of 2 times unbounded and finished 4 of 4 times at `DEPTH`.
-An eager step (`run_eagerly=True`) dispatches many small programs and is
-paced as one: Keras's eager loop waits on its own results, and an epoch of
-1000 eager steps of Flatten->Dense on 8 CPU devices finished unpaced
-(2026-11-25, a script run once, not kept in the repo).
+the process ("Expected 8 threads to join the rendezvous, but only 7 of them
+arrived"). It takes a few hundred steps of a small model, and a
+hand-written `jax.jit` loop hits it as Keras's loops do; a few programs in
+flight never do (the measurements: benchmarks/README.md, "Figures the
+code's design rests on"). An eager step (`run_eagerly=True`) dispatches
+many small programs and is paced as one: Keras's eager loop waits on its
+own results.
 
 `Pacer.after(outputs)` is called with each dispatched program's outputs; on
 a strategy over more than one CPU device it then waits until the program

@@ -20,11 +20,10 @@ axis, as Keras concatenates them; for `fit` and `evaluate` the logs are the
 last step's, as Keras returns them.
 
 On CPU devices a step with a convolution is not fused: XLA:CPU runs a
-convolution inside a loop several times slower than alone (jax-ml/jax#12868).
-Measured on this project's 2-core box, 8 virtual devices: a small ResNet
-8.8 s a step fused against 0.26 s in Keras's loop; one 3x3 convolution
-layer 145 against 31 ms. The first group decides, from the program's jaxpr;
-every group then runs through Keras's loop.
+convolution inside a loop many times slower than alone (jax-ml/jax#12868;
+the figures are in benchmarks/README.md, "Figures the code's design rests
+on"). The first group decides, from the program's jaxpr; every group then
+runs through Keras's loop.
 """
 
 from collections.abc import Callable, Iterator
