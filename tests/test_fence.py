@@ -255,3 +255,63 @@ def test_readme_gives_the_counts_of_the_tables():
         f"{len(_keras_compat.JAX_PRIVATE)} private JAX names",
     ):
         assert phrase in text, phrase
+
+
+def _package_of(path: pathlib.Path) -> str:
+    """The layer folder of a module (`strategies`, `data`, ...), or the module."""
+    parts = path.relative_to(_PACKAGE).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def _private_definitions(trees) -> dict[str, set[str]]:
+    """Each private name keras_dist defines, and the packages that define it."""
+    where: dict[str, set[str]] = {}
+    for path, tree in trees.items():
+        names = set(filter(_is_private, _body_names(tree)))
+        for class_def in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            names |= set(filter(_is_private, _self_stores(class_def)))
+            names |= set(filter(_is_private, _body_names(class_def)))
+        for name in names:
+            where.setdefault(name, set()).add(_package_of(path))
+    return where
+
+
+def _cross_package_reads(trees) -> list[str]:
+    defined = _private_definitions(trees)
+    foreign = _declared_attributes()
+    reads = []
+    for path, tree in trees.items():
+        package = _package_of(path)
+        # Names bound to other libraries' modules (`os._exit` is os's API).
+        libraries = {
+            (alias.asname or alias.name).split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if not alias.name.startswith("keras_dist")
+        }
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and (
+                node.value.id in ("self", "cls") or node.value.id in libraries
+            ):
+                continue
+            owners = defined.get(node.attr)
+            if owners and package not in owners and node.attr not in foreign:
+                reads.append(f"{_where(path, node)}: {ast.unparse(node)}")
+    return reads
+
+
+def test_no_module_reads_a_private_attribute_of_another_packages_object():
+    """Seams and helpers talk to a strategy through its public members."""
+    assert _cross_package_reads(_trees()) == []
+
+
+def test_a_seam_reading_a_strategys_private_attribute_is_found():
+    trees = _trees()
+    probe = _PACKAGE / "_keras_compat" / "_probe.py"
+    trees[probe] = ast.parse("def f(strategy):\n    return strategy._pacer\n")
+    assert _cross_package_reads(trees) == [
+        "keras_dist/_keras_compat/_probe.py:2: strategy._pacer"
+    ]

@@ -33,7 +33,7 @@ API cannot express are done here, on Keras's JAX trainer
    `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
 
 5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
-   are created with the strategy's `_slot_layout` (ZeRO-1 shards them while
+   are created with the strategy's `state_layout.slot_layout` (ZeRO-1 shards them
    the weights stay replicated), and their update gets whole gradients.
 
 4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call

@@ -88,7 +88,11 @@ def _jit(fun: Callable, *args, **kwargs):
     if getattr(fun, "__name__", "") == "predict_step":
         step = gathered_outputs(step)
     strategy = current_strategy()
-    if _is_state_step(kwargs) and strategy is not None and strategy._state_off_device():
+    if (
+        _is_state_step(kwargs)
+        and strategy is not None
+        and strategy.state_layout.off_device
+    ):
 
         def compile_(program):
             return _originals["jit"](
@@ -100,7 +104,7 @@ def _jit(fun: Callable, *args, **kwargs):
             return _originals["jit"](program, *args, **kwargs)
 
     steps = 1 if _is_state_step(kwargs) else 0  # (Keras also jits `concatenate`.)
-    pacer = None if strategy is None else strategy._pacer
+    pacer = None if strategy is None else strategy.pacer
     return _Unpadding(compile_(step), step, compile_, steps=steps, pacer=pacer)
 
 
@@ -157,9 +161,9 @@ def _make_function(self, step_function, concatenate_outputs=False):
         )
         if concatenate_outputs:  # predict: whole outputs on every process.
             step_function = gathered_outputs(step_function)
-        if strategy is not None and strategy._state_off_device():
+        if strategy is not None and strategy.state_layout.off_device:
             step_function = _state_memory.eager_step(step_function, strategy)
-        pacer = None if strategy is None else strategy._pacer
+        pacer = None if strategy is None else strategy.pacer
         step_function = _timed(step_function, steps=1, pacer=pacer)
     keras_loop = _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
@@ -173,7 +177,7 @@ def _make_function(self, step_function, concatenate_outputs=False):
         return FusedSteps(
             step_function.step,
             lambda program: _timed(
-                step_function.compile(program), steps=steps, pacer=strategy._pacer
+                step_function.compile(program), steps=steps, pacer=strategy.pacer
             ),
             steps=steps,
             concatenate=concatenate_outputs,
@@ -229,7 +233,7 @@ def _get_distributed_iterator(self, distribution: Any):
         distribution,
         adapter.get_jax_iterator(),
         source=f"the {name.removesuffix('Adapter')} input",
-        per_process=distribution._spans_processes
+        per_process=distribution.spans_processes
         and is_per_process(adapter_dataset(adapter)),
         keras=True,
         prefetch=0 if _reads_on_demand(self, name) else 1,

@@ -51,7 +51,7 @@ def _entry_point(method: Callable) -> Callable:
         _check_batch_sizes(signature, strategy, model, args, kwargs)
         check, validates = _checked(signature, method, model, args, kwargs)
         initial_epoch = _initial_epoch(signature, method, model, args, kwargs)
-        if strategy._spans_processes:
+        if strategy.spans_processes:
             bound = signature.bind(model, *args, **kwargs)
             prepare_call(method.__name__, model, bound.arguments)
             args, kwargs = bound.args[1:], bound.kwargs
@@ -139,7 +139,7 @@ def _check_batch_sizes(signature, strategy: Strategy, model, args, kwargs) -> No
             ),
             example=32 * strategy.num_replicas_in_sync,
         )
-        strategy._check_global_batch(value)
+        strategy.check_global_batch(value)
 
 
 def _place_variables(model, strategy: Strategy, *, move: bool = True) -> bool:

@@ -5,8 +5,8 @@ accumulators) with `BaseOptimizer.add_variable_from_reference`, which gives
 the slot its model variable's layout. `Strategy.get_variable_layout` is never
 asked, so a strategy cannot shard the slots of replicated weights there. This
 seam hands Keras's own method a view of the reference variable whose layout is
-the strategy's `_slot_layout(variable)` — everything else (name, shape, dtype,
-initializer) stays Keras's.
+the strategy's `state_layout.slot_layout(variable)` — everything else (name,
+shape, dtype, initializer) stays Keras's.
 
 Seam 10: `LossScaleOptimizer.stateless_apply` decides whether a step is
 skipped from the gradients it is given (`check_finite`). Inside
@@ -49,7 +49,7 @@ def _add_variable_from_reference(method: Callable) -> Callable:
         if strategy is None:
             strategy = keras.distribution.distribution()
         if isinstance(strategy, Strategy):
-            layout = strategy._slot_layout(reference_variable)
+            layout = strategy.state_layout.slot_layout(reference_variable)
             if layout is not None:
                 reference_variable = _WithLayout(reference_variable, layout)
         return method(optimizer, reference_variable, *args, **kwargs)
@@ -70,9 +70,13 @@ def _stateless_apply(method: Callable) -> Callable:
     @functools.wraps(method)
     def wrapper(optimizer, optimizer_variables, grads, trainable_variables):
         strategy = keras.distribution.distribution()
-        if isinstance(strategy, Strategy) and strategy._slots_need_whole_gradients():
+        if (
+            isinstance(strategy, Strategy)
+            and strategy.state_layout.slots_need_whole_gradients
+        ):
             grads = [
-                g if g is None else strategy._replicated_constraint(g) for g in grads
+                g if g is None else strategy.state_layout.replicated_constraint(g)
+                for g in grads
             ]
         return method(optimizer, optimizer_variables, grads, trainable_variables)
 

@@ -151,9 +151,11 @@ def gathered_outputs(step):
     def predict_step(*args, **kwargs):
         outputs, state = step(*args, **kwargs)
         strategy = keras.distribution.distribution()
-        if isinstance(strategy, Strategy) and strategy._spans_processes:
+        if isinstance(strategy, Strategy) and strategy.spans_processes:
             outputs = jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(x, strategy._replicated),
+                lambda x: jax.lax.with_sharding_constraint(
+                    x, strategy.state_layout.replicated
+                ),
                 outputs,
             )
         return outputs, state

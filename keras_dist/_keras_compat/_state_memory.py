@@ -1,11 +1,11 @@
 """Seam 8: a step's state brought to device memory (state kept in host memory).
 
 Under a strategy whose variables live outside device memory
-(`Strategy._state_off_device()`, e.g. `CentralStorageStrategy` with its state
+(`strategy.state_layout.off_device`, e.g. `CentralStorageStrategy` with its state
 in `"pinned_host"` memory), Keras's JAX trainer hands each step the
 variables' host arrays, and JAX refuses to compute on host and device arrays
 together. Both wrappers move the state with the strategy's
-`_state_to_compute` at the top of the step:
+`state_layout.to_compute` at the top of the step:
 
 - `compiled_step`, for the steps Keras compiles with `jit(step,
   donate_argnums=0, out_shardings=<the variables' shardings>)`: the move is
@@ -16,7 +16,7 @@ together. Both wrappers move the state with the strategy's
   kinds fails with "Memory kind mismatch").
 - `eager_step`, for `run_eagerly=True` and `jit_compile=False`: the same move
   with eager `jax.device_put`s, and the new state moved back with
-  `_state_to_storage`.
+  `state_layout.to_storage`.
 
 Outside the steps, a variable joins computations directly: Keras traces
 code that reads variables (`compute_output_spec` builds the metrics of a
@@ -61,7 +61,7 @@ def compiled_step(step: Callable, strategy: Strategy) -> Callable:
 
     @functools.wraps(step)
     def on_device(state, *args, **kwargs):
-        moved = strategy._state_to_compute(state)
+        moved = strategy.state_layout.to_compute(state)
         outputs, new_state = step(moved, *args, **kwargs)
         return outputs, _unchanged_as_stored(new_state, moved, state)
 
@@ -73,12 +73,12 @@ def eager_step(step: Callable, strategy: Strategy) -> Callable:
 
     @functools.wraps(step)
     def on_device(state, *args, **kwargs):
-        moved = strategy._state_to_compute(state)
+        moved = strategy.state_layout.to_compute(state)
         outputs, new_state = step(moved, *args, **kwargs)
         new_state = _unchanged_as_stored(new_state, moved, state)
         stored = {id(leaf) for leaf in jax.tree.leaves(state)}
         return outputs, jax.tree.map(
-            lambda x: x if id(x) in stored else strategy._state_to_storage(x),
+            lambda x: x if id(x) in stored else strategy.state_layout.to_storage(x),
             new_state,
         )
 

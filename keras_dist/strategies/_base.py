@@ -8,11 +8,13 @@ import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
-from keras_dist.errors import StrategyMismatchError
+from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
+from keras_dist.strategies._memory_report import MemoryReport, memory_report
 from keras_dist.strategies._pacing import Pacer
 from keras_dist.strategies._placement import Placement
 from keras_dist.strategies._resident_placement import ResidentPlacement
@@ -25,14 +27,12 @@ strategy_of_model = _ownership.strategy_of_model
 strategy_of_variable = _ownership.strategy_of_variable
 
 
-class Strategy(
-    StateLayout, Placement, ResidentPlacement, keras.distribution.DataParallel
-):
+class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
     """Base class of keras_dist strategies: a data-parallel Keras distribution.
 
     A strategy owns a 1-D `jax.sharding.Mesh` with the axis `"batch"`. Inside
     `strategy.scope()` every Keras variable is created on the mesh, replicated
-    unless the strategy shards it (`_shard_plan`),
+    unless the strategy's `state_layout` splits it,
     and `model.fit/evaluate/predict` split each global batch over it. A model
     built in the scope remembers its strategy: calling `fit` outside the scope
     (as the tf.distribute tutorials do) still runs distributed.
@@ -41,12 +41,21 @@ class Strategy(
 
     Args:
         devices: the resolved `jax.Device`s of the replicas, in mesh order.
+        state_layout: makes the strategy's `StateLayout` from its device mesh
+            and name (`StateLayout(device_mesh, owner)`). Defaults to
+            everything replicated.
     """
 
-    def __init__(self, devices: Sequence[jax.Device]):
+    def __init__(
+        self,
+        devices: Sequence[jax.Device],
+        *,
+        state_layout: Callable[..., StateLayout] = StateLayout,
+    ):
         # keras_dist splits the input over processes itself (keras.distribution
         # would rebatch tf.data and refuse NumPy with several processes).
         super().__init__(devices=list(devices), auto_shard_dataset=False)
+        self._state_layout = state_layout(self.device_mesh, type(self).__name__)
         _ownership.register(self)
         self._run_cache: dict = {}
         # Computed once: the input path uses them for every batch.
@@ -64,6 +73,56 @@ class Strategy(
         self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
         self._input_options = InputOptions()
         self._pacer = Pacer(self.devices)  # Programs in flight (CPU devices).
+
+    @property
+    def state_layout(self) -> StateLayout:
+        """Where this strategy keeps variables and optimizer state.
+
+        A `StateLayout` (replicated), or one that splits them (FSDP, ZeRO-1,
+        a partitioner) or keeps them in host memory; `memory_report` shows
+        the result.
+        """
+        return self._state_layout
+
+    @property
+    def pacer(self) -> Pacer:
+        """Bounds the programs in flight on CPU devices (nothing elsewhere)."""
+        return self._pacer
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the mesh has devices of several processes."""
+        return self._spans_processes
+
+    def get_variable_layout(self, variable) -> keras.distribution.TensorLayout:
+        """Keras's hook: the layout each new variable is created with.
+
+        The `state_layout`'s. With several processes, each new variable is
+        first checked to have the same shape and dtype on every process: JAX
+        would otherwise abort in a collective when the processes build
+        different models.
+        """
+        if getattr(variable, "_layout", None) is not None:
+            return variable._layout
+        if self._spans_processes:
+            _check_same_variable(variable)
+        return self._state_layout.variable_layout(variable)
+
+    def memory_report(self, model: keras.Model) -> MemoryReport:
+        """Bytes of `model`'s weights and optimizer state per device, and why.
+
+        Example:
+
+        ```python
+        print(strategy.memory_report(model))   # a table, one row per variable
+        ```
+
+        Returns:
+            A `MemoryReport`: totals per device and, for each variable, its
+            layout (split axis and parts, or replicated and the reason),
+            measured on the arrays' device buffers.
+        """
+        return memory_report(self, model)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -117,7 +176,7 @@ class Strategy(
         with super().scope():
             yield self
 
-    def _check_global_batch(self, batch_size: int) -> None:
+    def check_global_batch(self, batch_size: int) -> None:
         """Called with each `batch_size` of a call; a strategy may warn."""
 
     # The replica API (tf.distribute's names) ------------------------------
@@ -245,3 +304,19 @@ class Strategy(
         )
 
     __str__ = __repr__
+
+
+def _check_same_variable(variable) -> None:
+    mine = [variable.path, list(variable.shape), str(variable.dtype)]
+    everyone = _sync.allgather("variable", mine)
+    if all(other[1:] == mine[1:] for other in everyone):
+        return
+    found = "; ".join(
+        f"process {p}: {path!r} of shape {tuple(shape)} and dtype {dtype}"
+        for p, (path, shape, dtype) in enumerate(everyone)
+    )
+    raise ProcessMismatchError(
+        f"The processes create different variables ({found}). With several "
+        "processes every process must run the same program and build the same "
+        "model in `strategy.scope()`."
+    )

@@ -1,11 +1,10 @@
 """`CentralStorageStrategy`: compute replicated, variables in host memory."""
 
+import functools
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.errors import DeviceNotFoundError
 from keras_dist.strategies import _host_memory
@@ -16,7 +15,7 @@ from keras_dist.strategies._devices import (
     resolve_devices,
     visible_devices,
 )
-from keras_dist.strategies._sharding import ShardPlan, replicated
+from keras_dist.strategies._state_layout import HostMemoryStateLayout
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -60,8 +59,9 @@ class CentralStorageStrategy(Strategy):
     outputs, so device memory holds the state only while a step runs.
     Reading or assigning variables (`get_weights`, `set_weights`, saving,
     callbacks) works as usual; eager JAX operations that mix a variable's
-    host array with device arrays are refused by JAX, so compute on
-    variables inside a step (`fit`, `strategy.run`, `model.predict`). On
+    host array with device arrays are refused by JAX, so a variable is read
+    in device memory where it joins a computation (`model(x)`, `kernel[0]`,
+    Keras's ops) and as stored where it is read directly. On
     a platform without pinned host memory the variables stay in device
     memory, with a warning. The parameters cannot be put on one accelerator
     of several: `parameter_device` is a CPU device or the one compute device.
@@ -92,9 +92,11 @@ class CentralStorageStrategy(Strategy):
         devices = resolve_devices(compute_devices, argument="compute_devices")
         place = _parameter_place(parameter_device, devices)
         self._parameter_device, self._memory_kind = place
-        super().__init__(devices)
-        self._storage = NamedSharding(
-            self.mesh, PartitionSpec(), memory_kind=self._memory_kind
+        super().__init__(
+            devices,
+            state_layout=functools.partial(
+                HostMemoryStateLayout, memory_kind=self._memory_kind
+            ),
         )
 
     @property
@@ -111,31 +113,6 @@ class CentralStorageStrategy(Strategy):
     def parameter_memory_kind(self) -> str:
         """The JAX memory kind of the variables: `"pinned_host"` or `"device"`."""
         return self._memory_kind
-
-    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
-        del shape, dtype
-        if self._memory_kind == _host_memory.DEVICE:
-            return replicated("CentralStorageStrategy: on the compute device")
-        return replicated("CentralStorageStrategy: whole in host memory")
-
-    def get_variable_layout(self, variable):
-        layout = super().get_variable_layout(variable)
-        if self._memory_kind == _host_memory.DEVICE or isinstance(
-            layout, _host_memory.MemoryLayout
-        ):
-            return layout
-        return _host_memory.MemoryLayout(
-            layout.axes, layout.device_mesh, memory_kind=self._memory_kind
-        )
-
-    def _state_off_device(self) -> bool:
-        return self._memory_kind != _host_memory.DEVICE
-
-    def _state_to_compute(self, state: Any) -> Any:
-        return _host_memory.move(state, self._replicated)
-
-    def _state_to_storage(self, state: Any) -> Any:
-        return _host_memory.move(state, self._storage)
 
 
 def _parameter_place(

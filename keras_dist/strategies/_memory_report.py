@@ -157,7 +157,7 @@ def _describe(
         totals[device] = totals.get(device, 0) + n
     spec = tuple(getattr(value.sharding, "spec", ()) or ())
     axis = next((i for i, s in enumerate(spec) if s == BATCH_AXIS), None)
-    plan = strategy._shard_plan(shape, value.dtype)
+    plan = strategy.state_layout.shard_plan(shape, value.dtype)
     reason = "" if axis is not None else plan.reason or "follows a replicated one"
     return VariableMemory(
         path=variable.path,

@@ -6,12 +6,12 @@ import jax
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._devices import resolve_devices
-from keras_dist.strategies._sharded_state import ShardedState
+from keras_dist.strategies._state_layout import sharded_state
 
 __all__ = ["MirroredStrategy"]
 
 
-class MirroredStrategy(ShardedState, Strategy):
+class MirroredStrategy(Strategy):
     """Synchronous training on many devices of one machine.
 
     Like `tf.distribute.MirroredStrategy`: one replica per device, variables
@@ -62,8 +62,20 @@ class MirroredStrategy(ShardedState, Strategy):
         shard_variables: bool = False,
         shard_optimizer_state: bool = False,
     ):
-        self._set_sharded_state(
+        state = sharded_state(
             shard_variables=shard_variables,
             shard_optimizer_state=shard_optimizer_state,
         )
-        super().__init__(resolve_devices(devices, argument="devices"))
+        super().__init__(
+            resolve_devices(devices, argument="devices"), state_layout=state
+        )
+
+    @property
+    def shard_variables(self) -> bool:
+        """Whether variables are split over the devices (FSDP)."""
+        return self.state_layout.shard_variables
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether optimizer slots are split over the devices (ZeRO-1)."""
+        return self.state_layout.shard_optimizer_state

@@ -7,7 +7,7 @@ import jax
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._join import global_devices, join_cluster
-from keras_dist.strategies._sharded_state import ShardedState
+from keras_dist.strategies._state_layout import sharded_state
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -51,7 +51,7 @@ class CommunicationOptions:
             )
 
 
-class MultiWorkerMirroredStrategy(ShardedState, Strategy):
+class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training over every device of every process (host).
 
     Like `tf.distribute.MultiWorkerMirroredStrategy`: each process (worker)
@@ -113,7 +113,7 @@ class MultiWorkerMirroredStrategy(ShardedState, Strategy):
                 "`communication_options` must be a `kd.CommunicationOptions`. "
                 f"Received: {communication_options!r}."
             )
-        self._set_sharded_state(
+        state = sharded_state(
             shard_variables=shard_variables,
             shard_optimizer_state=shard_optimizer_state,
         )
@@ -124,7 +124,17 @@ class MultiWorkerMirroredStrategy(ShardedState, Strategy):
             implementation=communication_options.implementation,
             strategy_name="MultiWorkerMirroredStrategy",
         )
-        super().__init__(global_devices())
+        super().__init__(global_devices(), state_layout=state)
+
+    @property
+    def shard_variables(self) -> bool:
+        """Whether variables are split over the devices (FSDP)."""
+        return self.state_layout.shard_variables
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether optimizer slots are split over the devices (ZeRO-1)."""
+        return self.state_layout.shard_optimizer_state
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

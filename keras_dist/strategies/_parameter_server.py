@@ -1,12 +1,13 @@
 """`ParameterServerStrategy`: tf's name for sharded variables, run synchronously."""
 
+import functools
 from collections.abc import Callable
 
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._join import global_devices, join_cluster
 from keras_dist.strategies._partitioners import FixedShardsPartitioner
-from keras_dist.strategies._sharding import ShardPlan, plan_by_partitioner
+from keras_dist.strategies._state_layout import PartitionedStateLayout
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -84,7 +85,12 @@ class ParameterServerStrategy(Strategy):
             implementation="auto",
             strategy_name="ParameterServerStrategy",
         )
-        super().__init__(global_devices())
+        super().__init__(
+            global_devices(),
+            state_layout=functools.partial(
+                PartitionedStateLayout, partitioner=variable_partitioner
+            ),
+        )
         _check_divides_mesh(variable_partitioner, self.num_replicas_in_sync)
 
     @property
@@ -95,14 +101,6 @@ class ParameterServerStrategy(Strategy):
     @property
     def variable_partitioner(self) -> Callable | None:
         return self._variable_partitioner
-
-    def _shards_state(self) -> bool:
-        return self._variable_partitioner is not None
-
-    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
-        return plan_by_partitioner(
-            self._variable_partitioner, shape, dtype, self.num_replicas_in_sync
-        )
 
 
 def _check_divides_mesh(partitioner, devices: int) -> None:

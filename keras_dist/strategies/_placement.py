@@ -48,11 +48,7 @@ class Placement:
             return False
         if not (sharding.mesh is self.mesh or sharding.mesh == self.mesh):
             return False
-        return not self._shards_state() or id(array) in self._laid_out_batches
-
-    def _shards_state(self) -> bool:
-        """Whether some variables or optimizer slots are split over the mesh."""
-        return False
+        return not self.state_layout.splits_state or id(array) in self._laid_out_batches
 
     def _remember_batches(self, arrays: list) -> None:
         for array in arrays:
@@ -144,7 +140,7 @@ class Placement:
                 )
                 for a in arrays
             ]
-        if self._shards_state():
+        if self.state_layout.splits_state:
             self._remember_batches(placed)
         return jax.tree.unflatten(treedef, placed)
 

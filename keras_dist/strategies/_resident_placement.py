@@ -181,6 +181,8 @@ class ResidentPlacement:
             placed = take_block(self.mesh, dataset, indices)
         else:
             placed = take_rows(self.mesh, dataset, indices)
-        if self._shards_state() and not isinstance(placed[0], jax.core.Tracer):
+        if self.state_layout.splits_state and not isinstance(
+            placed[0], jax.core.Tracer
+        ):
             self._remember_batches(placed)
         return placed

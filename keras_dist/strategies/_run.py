@@ -84,7 +84,7 @@ def run(
         compiled = _compile(strategy, fn, treedef, kinds, statics, batch, values)
         strategy._run_cache[key] = compiled
     outputs = compiled(values)
-    strategy._pacer.after(outputs)
+    strategy.pacer.after(outputs)
     return outputs
 
 
@@ -136,7 +136,7 @@ def _classify(strategy: "Strategy", leaves, tree):
 def _split_state(strategy: "Strategy", leaf: jax.Array) -> bool:
     sharding = leaf.sharding
     return (
-        strategy._shards_state()
+        strategy.state_layout.splits_state
         and isinstance(sharding, NamedSharding)
         and sharding.mesh == strategy.mesh
         and not sharding.is_fully_replicated

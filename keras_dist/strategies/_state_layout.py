@@ -1,111 +1,234 @@
-"""`StateLayout`: where a strategy puts variables and optimizer state.
+"""`StateLayout`: where a strategy keeps variables and optimizer state.
 
-The `Strategy` hooks Keras and keras_dist's seams ask when a variable is
-created (`get_variable_layout`), when an optimizer slot is created
-(`_slot_layout`), and around each step when the state lives outside device
-memory (`_state_to_compute` / `_state_to_storage`); `memory_report` reads the
-result. Subclasses override the hooks (FSDP/ZeRO-1, partitioners, host
-memory).
+A collaborator of every `Strategy` (`strategy.state_layout`), not a mixin:
+Keras's hook `get_variable_layout` asks it where each new variable goes; the
+seams ask it where an optimizer slot goes (`slot_layout`), and, around each
+step, whether the state lives outside device memory and how to move it
+(`off_device`, `to_compute`, `to_storage`); `memory_report` reads the plans.
+
+- `StateLayout`: everything replicated (MirroredStrategy, TPUStrategy, ...).
+- `ShardedStateLayout`: FSDP (`shard_variables`) and ZeRO-1
+  (`shard_optimizer_state`) over the mesh.
+- `PartitionedStateLayout`: a tf `variable_partitioner`
+  (ParameterServerStrategy).
+- `HostMemoryStateLayout`: replicated in host memory (CentralStorageStrategy).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import keras
+from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.cluster import _sync
-from keras_dist.errors import ProcessMismatchError
-from keras_dist.strategies._memory_report import MemoryReport, memory_report
-from keras_dist.strategies._sharding import ShardPlan, replicated
+from keras_dist.strategies import _host_memory
+from keras_dist.strategies._sharding import (
+    ShardPlan,
+    plan_by_partitioner,
+    plan_largest_divisible,
+    replicated,
+)
 
-__all__ = ["StateLayout"]
+__all__ = [
+    "HostMemoryStateLayout",
+    "PartitionedStateLayout",
+    "ShardedStateLayout",
+    "StateLayout",
+    "sharded_state",
+]
 
 
 class StateLayout:
-    """Mixin of `Strategy`: replicated state by default; subclasses split it.
+    """Every variable and optimizer slot replicated on every device.
 
-    Needs `device_mesh`, `_replicated` and `_spans_processes` (set by
-    `Strategy.__init__`).
+    Args:
+        device_mesh: the strategy's `keras.distribution.DeviceMesh`.
+        owner: the strategy's name, for the reasons `memory_report` gives.
     """
 
-    def get_variable_layout(self, variable):
-        """Keras's hook: the layout each new variable is created with.
+    def __init__(self, device_mesh: keras.distribution.DeviceMesh, owner: str):
+        self.device_mesh = device_mesh
+        self.owner = owner
+        self.replicated = NamedSharding(device_mesh.backend_mesh, PartitionSpec())
 
-        Replicated unless the strategy shards (`_shard_plan`). With several
-        processes, each new variable is first checked to have the same shape
-        and dtype on every process: JAX would otherwise abort in a collective
-        when the processes build different models.
-        """
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout
-        if self._spans_processes:
-            _check_same_variable(variable)
-        plan = self._shard_plan(tuple(variable.shape), variable.dtype)
+    @property
+    def num_replicas(self) -> int:
+        return int(self.device_mesh.devices.size)
+
+    def shard_plan(self, shape: tuple[int, ...], dtype: Any) -> ShardPlan:
+        """Where a variable of `shape` and `dtype` goes."""
+        del shape, dtype
+        return replicated(f"{self.owner} replicates variables")
+
+    def variable_layout(self, variable: Any) -> keras.distribution.TensorLayout:
+        """The layout a new variable is created with."""
+        plan = self.shard_plan(tuple(variable.shape), variable.dtype)
         return plan.layout(variable.shape, self.device_mesh)
 
-    def _shard_plan(self, shape: tuple[int, ...], dtype) -> ShardPlan:
-        """Where a variable of `shape` and `dtype` goes; a strategy may shard."""
-        del shape, dtype
-        return replicated(f"{type(self).__name__} replicates variables")
-
-    def _slot_layout(self, variable):
+    def slot_layout(self, variable: Any) -> "keras.distribution.TensorLayout | None":
         """The layout of an optimizer slot of `variable`; None: the variable's."""
         del variable
         return None
 
-    def _slots_need_whole_gradients(self) -> bool:
+    @property
+    def splits_state(self) -> bool:
+        """Whether some variables or optimizer slots are split over the mesh."""
+        return False
+
+    @property
+    def slots_need_whole_gradients(self) -> bool:
         """Whether slots are split while weights are whole (ZeRO-1)."""
         return False
 
-    def _replicated_constraint(self, array):
+    def replicated_constraint(self, array: Any) -> Any:
         """`array` laid out whole on every device (inside a compiled step)."""
-        return jax.lax.with_sharding_constraint(array, self._replicated)
+        return jax.lax.with_sharding_constraint(array, self.replicated)
 
-    def _state_off_device(self) -> bool:
+    @property
+    def off_device(self) -> bool:
         """Whether variables live outside device memory (host memory).
 
         Then every step, compiled or eager, gets its state through
-        `_state_to_compute` and an eager step gives it back through
-        `_state_to_storage` (a compiled one through its `out_shardings`).
+        `to_compute` and an eager step gives it back through `to_storage` (a
+        compiled one through its `out_shardings`).
         """
         return False
 
-    def _state_to_compute(self, state: Any) -> Any:
+    def to_compute(self, state: Any) -> Any:
         """A step's state (variables' values) moved where the step computes."""
         return state
 
-    def _state_to_storage(self, state: Any) -> Any:
+    def to_storage(self, state: Any) -> Any:
         """A step's new state moved where the variables live."""
         return state
 
-    def memory_report(self, model: keras.Model) -> MemoryReport:
-        """Bytes of `model`'s weights and optimizer state per device, and why.
 
-        Example:
+def sharded_state(
+    *, shard_variables: bool, shard_optimizer_state: bool
+) -> Callable[..., StateLayout]:
+    """The state layout of the `shard_variables` / `shard_optimizer_state` options.
 
-        ```python
-        print(strategy.memory_report(model))   # a table, one row per variable
-        ```
+    Checked at once, before a strategy joins a cluster or builds its mesh.
 
-        Returns:
-            A `MemoryReport`: totals per device and, for each variable, its
-            layout (split axis and parts, or replicated and the reason),
-            measured on the arrays' device buffers.
-        """
-        return memory_report(self, model)
+    Raises:
+        TypeError: if an option is not a bool.
+    """
+    for name, value in (
+        ("shard_variables", shard_variables),
+        ("shard_optimizer_state", shard_optimizer_state),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"`{name}` must be True or False. Received: {name}={value!r}."
+            )
+
+    def make(device_mesh, owner):
+        return ShardedStateLayout(
+            device_mesh,
+            owner,
+            shard_variables=shard_variables,
+            shard_optimizer_state=shard_optimizer_state,
+        )
+
+    return make
 
 
-def _check_same_variable(variable) -> None:
-    mine = [variable.path, list(variable.shape), str(variable.dtype)]
-    everyone = _sync.allgather("variable", mine)
-    if all(other[1:] == mine[1:] for other in everyone):
-        return
-    found = "; ".join(
-        f"process {p}: {path!r} of shape {tuple(shape)} and dtype {dtype}"
-        for p, (path, shape, dtype) in enumerate(everyone)
-    )
-    raise ProcessMismatchError(
-        f"The processes create different variables ({found}). With several "
-        "processes every process must run the same program and build the same "
-        "model in `strategy.scope()`."
-    )
+class ShardedStateLayout(StateLayout):
+    """FSDP (`shard_variables`) and ZeRO-1 (`shard_optimizer_state`).
+
+    A split variable or slot is split along its largest dimension divisible
+    by the number of replicas; one with none stays replicated.
+    """
+
+    def __init__(
+        self,
+        device_mesh: keras.distribution.DeviceMesh,
+        owner: str,
+        *,
+        shard_variables: bool,
+        shard_optimizer_state: bool,
+    ):
+        super().__init__(device_mesh, owner)
+        self.shard_variables = shard_variables
+        self.shard_optimizer_state = shard_optimizer_state
+
+    def shard_plan(self, shape: tuple[int, ...], dtype: Any) -> ShardPlan:
+        if not self.shard_variables:
+            return super().shard_plan(shape, dtype)
+        return plan_largest_divisible(shape, self.num_replicas)
+
+    def slot_layout(self, variable: Any) -> "keras.distribution.TensorLayout | None":
+        if not self.shard_optimizer_state or self.shard_variables:
+            return None  # Slots follow their variable.
+        plan = plan_largest_divisible(tuple(variable.shape), self.num_replicas)
+        return plan.layout(variable.shape, self.device_mesh)
+
+    @property
+    def splits_state(self) -> bool:
+        return self.shard_variables or self.shard_optimizer_state
+
+    @property
+    def slots_need_whole_gradients(self) -> bool:
+        return self.shard_optimizer_state and not self.shard_variables
+
+
+class PartitionedStateLayout(StateLayout):
+    """Variables split as a tf `variable_partitioner` says (None: replicated)."""
+
+    def __init__(
+        self,
+        device_mesh: keras.distribution.DeviceMesh,
+        owner: str,
+        *,
+        partitioner: Callable | None,
+    ):
+        super().__init__(device_mesh, owner)
+        self.partitioner = partitioner
+
+    def shard_plan(self, shape: tuple[int, ...], dtype: Any) -> ShardPlan:
+        return plan_by_partitioner(self.partitioner, shape, dtype, self.num_replicas)
+
+    @property
+    def splits_state(self) -> bool:
+        return self.partitioner is not None
+
+
+class HostMemoryStateLayout(StateLayout):
+    """Replicated, in a memory of the devices (`"pinned_host"`, or `"device"`)."""
+
+    def __init__(
+        self,
+        device_mesh: keras.distribution.DeviceMesh,
+        owner: str,
+        *,
+        memory_kind: str,
+    ):
+        super().__init__(device_mesh, owner)
+        self.memory_kind = memory_kind
+        self.storage = NamedSharding(
+            device_mesh.backend_mesh, PartitionSpec(), memory_kind=memory_kind
+        )
+
+    def shard_plan(self, shape: tuple[int, ...], dtype: Any) -> ShardPlan:
+        del shape, dtype
+        if self.memory_kind == _host_memory.DEVICE:
+            return replicated(f"{self.owner}: on the compute device")
+        return replicated(f"{self.owner}: whole in host memory")
+
+    def variable_layout(self, variable: Any) -> keras.distribution.TensorLayout:
+        layout = super().variable_layout(variable)
+        if self.memory_kind == _host_memory.DEVICE:
+            return layout
+        return _host_memory.MemoryLayout(
+            layout.axes, layout.device_mesh, memory_kind=self.memory_kind
+        )
+
+    @property
+    def off_device(self) -> bool:
+        return self.memory_kind != _host_memory.DEVICE
+
+    def to_compute(self, state: Any) -> Any:
+        return _host_memory.move(state, self.replicated)
+
+    def to_storage(self, state: Any) -> Any:
+        return _host_memory.move(state, self.storage)

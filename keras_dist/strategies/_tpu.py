@@ -77,7 +77,7 @@ class TPUStrategy(Strategy):
         agree_on_seed()
         super().__init__(_as_jax_devices(tpu_device_order(resolver.devices)))
 
-    def _check_global_batch(self, batch_size: int) -> None:
+    def check_global_batch(self, batch_size: int) -> None:
         check_global_batch(self, batch_size)
 
     @property

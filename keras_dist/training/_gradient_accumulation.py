@@ -16,7 +16,7 @@ Under a keras_dist strategy:
 
 - `apply` adds each micro-batch's gradients to the accumulators (laid out
   like optimizer state: `add_variable_from_reference` goes through the
-  strategy's `_slot_layout`, so ZeRO-1 and FSDP split them); on every N-th
+  strategy's `state_layout.slot_layout`, so ZeRO-1 and FSDP split them); on every N-th
   micro-step the update — clipping, weight decay, `update_step` and EMA, as
   Keras does them, on the mean of the N gradients — runs inside the taken
   branch of a `lax.cond`, in its own `StatelessScope`, and resets the

@@ -31,8 +31,8 @@ def test_only_several_cpu_devices_are_paced():
     assert not Pacer(jax.devices()[:1]).enabled
     tpus = [types.SimpleNamespace(platform="tpu") for _ in range(8)]
     assert not Pacer(tpus).enabled
-    assert kd.MirroredStrategy()._pacer.enabled
-    assert not kd.OneDeviceStrategy("cpu:0")._pacer.enabled
+    assert kd.MirroredStrategy().pacer.enabled
+    assert not kd.OneDeviceStrategy("cpu:0").pacer.enabled
 
 
 def test_at_most_depth_programs_are_in_flight():
