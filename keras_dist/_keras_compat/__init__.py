@@ -14,7 +14,8 @@ API cannot express are done here, on Keras's JAX trainer
    strategies is current, keras_dist hands both to its input pipeline
    (`data/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
    `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
-   first cuts a `PaddedBatch` back to its real rows, and wraps
+   is a `StepProgram` (`training/_step.py`, the one step wrapper: it cuts a
+   `PaddedBatch` back to its real rows first), and wraps
    `JAXEpochIterator._enumerate_iterator` so a resumed `fit` replays its
    input up to the backed-up step; `steps_per_execution` groups run as one
    program each (`training/_fused_steps.py`). In-memory arrays (`ArrayDataAdapter`)
@@ -56,9 +57,8 @@ API cannot express are done here, on Keras's JAX trainer
 
 8. **State in host memory** (`_state_memory.py`): under a strategy that
    keeps variables outside device memory (`CentralStorageStrategy`), the
-   steps Keras compiles (`jit`, donated state) move their state to device
-   memory first and give it back in host memory as their outputs; eager
-   steps do the same around the call; and `JaxVariable.value`, read to
+   steps move their state to device memory first (`training/_step.py`);
+   and `JaxVariable.value`, read to
    compute with it — while JAX traces (Keras's `compute_output_spec`, a
    user's `jax.jit(model)`) or eagerly by Keras's ops and the variable's
    operators (`model(x)`, `kernel[0]`, `kernel == x`) — gives a host-memory

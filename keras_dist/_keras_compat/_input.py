@@ -10,42 +10,31 @@ trainer to it:
   indices of Keras's batches (`_array_input.py`).
 - `_distribute_data`: the single batch of `*_on_batch`.
 - `_jit` and `_make_function`: every step — compiled or eager, one batch or
-  `steps_per_execution` of them — first gathers a device-resident batch
-  (`ResidentBatch`) and cuts a `PaddedBatch` back to its real rows. Inside
-  `jit` the cut is a static slice of the sharded arrays; without `jit`
-  (`run_eagerly=True`, `jit_compile=False`) it is an eager slice. Under a
-  strategy that keeps its state in host memory, both also bring the state
-  to device memory (`_state_memory.py`). With `steps_per_execution > 1`
-  and a compiled step, `_make_function` runs each group of batches as one
-  program (`training/_fused_steps.py`), compiled as `_jit` compiled the step.
-  Each call of a step program adds its host time to the running call's
-  `StepStats` (`ScalingReport`).
+  `steps_per_execution` of them — is a `StepProgram`, the one step wrapper
+  (`training/_step.py`: gather a device-resident batch, record its replica
+  rows, cut a padded batch to its real rows, outputs whole on every process,
+  host-memory state moved in; timed and paced). With `steps_per_execution
+  > 1` and a compiled step, `_make_function` runs each group of batches as
+  one program (`training/_fused_steps.py`), compiled as the step is.
 - `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
   steps through Keras's own epoch iterator before the first real step.
 """
 
-import functools
-import time
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
-from keras_dist._keras_compat import _state_memory
 from keras_dist._keras_compat._array_input import resident_pass
-from keras_dist._keras_compat._processes import gathered_outputs
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist._keras_compat._tf_dataset import adapter_dataset
 from keras_dist.data import _call
 from keras_dist.data._auto_shard import is_per_process
-from keras_dist.data._partial_batch import unpadding
 from keras_dist.data._pipeline import InputPass, keras_batch
-from keras_dist.data._replica_rows import tracking
-from keras_dist.data._resident_batch import gathering
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._pacing import Pacer
 from keras_dist.training._fused_steps import FusedSteps
+from keras_dist.training._step import StepProgram
 
 __all__ = [
     "_distribute_data",
@@ -73,81 +62,25 @@ def current_strategy() -> Strategy | None:
     return current if isinstance(current, Strategy) else None
 
 
-def _replicas() -> int | None:
-    strategy = current_strategy()
-    return None if strategy is None else strategy.num_replicas_in_sync
-
-
-def _take_rows() -> Callable | None:
-    strategy = current_strategy()
-    return None if strategy is None else strategy.take_rows
-
-
 def _jit(fun: Callable, *args, **kwargs):
-    step = gathering(tracking(unpadding(fun), _replicas), _take_rows)
-    if getattr(fun, "__name__", "") == "predict_step":
-        step = gathered_outputs(step)
-    strategy = current_strategy()
-    if (
-        _is_state_step(kwargs)
-        and strategy is not None
-        and strategy.state_layout.off_device
-    ):
+    """Keras's `jit`: a step under a strategy becomes a compiled `StepProgram`.
 
-        def compile_(program):
-            return _originals["jit"](
-                _state_memory.compiled_step(program, strategy), *args, **kwargs
-            )
-    else:
-
-        def compile_(program):
-            return _originals["jit"](program, *args, **kwargs)
-
-    steps = 1 if _is_state_step(kwargs) else 0  # (Keras also jits `concatenate`.)
-    pacer = None if strategy is None else strategy.pacer
-    return _Unpadding(compile_(step), step, compile_, steps=steps, pacer=pacer)
-
-
-def _is_state_step(jit_kwargs: dict) -> bool:
-    """Keras jits its steps `(state, data)` with the state donated (argument 0)."""
-    return jit_kwargs.get("donate_argnums") == 0
-
-
-class _Unpadding:
-    """A compiled step that cuts padded batches itself (inside `jit`).
-
-    Keeps the step before compilation and how it was compiled, so that
-    `steps_per_execution` groups compile a program of several steps the same
-    way (`training/_fused_steps.py`). Each call counts `steps` steps in the
-    running call's `StepStats` (0: not a step) and is paced by `pacer`.
+    Keras jits its steps `(state, data)` with the state donated (argument 0);
+    anything else it jits (`concatenate`) is compiled as it asks.
     """
-
-    def __init__(
-        self,
-        compiled: Callable,
-        step: Callable,
-        compile_: Callable,
-        *,
-        steps: int,
-        pacer: Pacer | None,
-    ):
-        self._compiled = compiled
-        self._call_step = (
-            _timed(compiled, steps=steps, pacer=pacer) if steps else compiled
-        )
-        self.step = step
-        self.compile = compile_
-        functools.update_wrapper(self, compiled)
-
-    def __call__(self, *args, **kwargs):
-        return self._call_step(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._compiled, name)
+    strategy = current_strategy()
+    if strategy is None or kwargs.get("donate_argnums") != 0:
+        return _originals["jit"](fun, *args, **kwargs)
+    return StepProgram(
+        fun,
+        strategy,
+        predict=getattr(fun, "__name__", "") == "predict_step",
+        jit=lambda program: _originals["jit"](program, *args, **kwargs),
+    )
 
 
 def _make_function(self, step_function, concatenate_outputs=False):
-    """Keras's step loop; a step that is not compiled by `_jit` is cut eagerly.
+    """Keras's step loop over a `StepProgram` (an eager step becomes one).
 
     A compiled step with `steps_per_execution > 1` runs its groups of batches
     as one program each (`FusedSteps`) while the strategy's
@@ -155,60 +88,28 @@ def _make_function(self, step_function, concatenate_outputs=False):
     step functions it made across calls).
     """
     strategy = current_strategy()
-    if not isinstance(step_function, _Unpadding):
-        step_function = gathering(
-            tracking(unpadding(step_function), _replicas), _take_rows
+    if strategy is not None and not isinstance(step_function, StepProgram):
+        step_function = StepProgram(
+            step_function, strategy, predict=concatenate_outputs, jit=None
         )
-        if concatenate_outputs:  # predict: whole outputs on every process.
-            step_function = gathered_outputs(step_function)
-        if strategy is not None and strategy.state_layout.off_device:
-            step_function = _state_memory.eager_step(step_function, strategy)
-        pacer = None if strategy is None else strategy.pacer
-        step_function = _timed(step_function, steps=1, pacer=pacer)
     keras_loop = _originals["JAXTrainer._make_function"](
         self, step_function, concatenate_outputs
     )
     if (
-        isinstance(step_function, _Unpadding)
+        isinstance(step_function, StepProgram)
+        and step_function.compiled
         and self.steps_per_execution > 1
-        and strategy is not None
     ):
         steps = self.steps_per_execution
         return FusedSteps(
             step_function.step,
-            lambda program: _timed(
-                step_function.compile(program), steps=steps, pacer=strategy.pacer
-            ),
+            step_function.group(steps),
             steps=steps,
             concatenate=concatenate_outputs,
             keras_loop=keras_loop,
             enabled=lambda: strategy.input_options.fuse_steps,
         )
     return keras_loop
-
-
-def _timed(program: Callable, *, steps: int, pacer: Pacer | None) -> Callable:
-    """`program`, each call counted as `steps` steps in the call's `StepStats`.
-
-    After each call, `pacer` bounds the programs in flight (CPU devices).
-    """
-
-    @functools.wraps(program)
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        outputs = program(*args, **kwargs)
-        _record_dispatch(start, steps)
-        if pacer is not None:
-            pacer.after(outputs)
-        return outputs
-
-    return timed
-
-
-def _record_dispatch(start: float, steps: int) -> None:
-    call = _call.active()
-    if call is not None:
-        call.step_stats.record(time.perf_counter() - start, steps)
 
 
 def _distribute_data(data, layouts=None):

@@ -11,7 +11,6 @@ do not run the logging callbacks (progress bar, CSVLogger, TensorBoard): the
 chief writes for all. `predict` gathers its outputs on every process.
 """
 
-import functools
 import hashlib
 import json
 import zlib
@@ -22,9 +21,8 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.errors import ProcessMismatchError
-from keras_dist.strategies._base import Strategy
 
-__all__ = ["gathered_outputs", "prepare_call"]
+__all__ = ["prepare_call"]
 
 _CHECKED_ARGS = (
     "batch_size",
@@ -142,22 +140,3 @@ def prepare_call(method: str, model, arguments: dict) -> None:
             arguments["callbacks"] = [
                 c for c in callbacks if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
             ]
-
-
-def gathered_outputs(step):
-    """Wraps Keras's `predict_step(state, data)`: outputs whole on every process."""
-
-    @functools.wraps(step)
-    def predict_step(*args, **kwargs):
-        outputs, state = step(*args, **kwargs)
-        strategy = keras.distribution.distribution()
-        if isinstance(strategy, Strategy) and strategy.spans_processes:
-            outputs = jax.tree.map(
-                lambda x: jax.lax.with_sharding_constraint(
-                    x, strategy.state_layout.replicated
-                ),
-                outputs,
-            )
-        return outputs, state
-
-    return predict_step

@@ -1,22 +1,10 @@
-"""Seam 8: a step's state brought to device memory (state kept in host memory).
+"""Seam 8: variables kept in host memory, read where a computation needs them.
 
 Under a strategy whose variables live outside device memory
-(`strategy.state_layout.off_device`, e.g. `CentralStorageStrategy` with its state
-in `"pinned_host"` memory), Keras's JAX trainer hands each step the
-variables' host arrays, and JAX refuses to compute on host and device arrays
-together. Both wrappers move the state with the strategy's
-`state_layout.to_compute` at the top of the step:
-
-- `compiled_step`, for the steps Keras compiles with `jit(step,
-  donate_argnums=0, out_shardings=<the variables' shardings>)`: the move is
-  the first operation of the compiled program, and Keras's `out_shardings`
-  (the variables' own, host memory) write the new state back to host memory
-  as the step's outputs. The donated state argument and the state outputs
-  are both in host memory, so donation keeps working (donating across memory
-  kinds fails with "Memory kind mismatch").
-- `eager_step`, for `run_eagerly=True` and `jit_compile=False`: the same move
-  with eager `jax.device_put`s, and the new state moved back with
-  `state_layout.to_storage`.
+(`strategy.state_layout.off_device`, e.g. `CentralStorageStrategy` with its
+state in `"pinned_host"` memory), JAX refuses to compute on host and device
+arrays together. Keras's steps get their state moved to device memory by
+the one step wrapper (`training/_step.py`).
 
 Outside the steps, a variable joins computations directly: Keras traces
 code that reads variables (`compute_output_spec` builds the metrics of a
@@ -43,9 +31,7 @@ from keras.src.backend.common.variables import Variable
 from keras.src.backend.jax import core
 from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
-from keras_dist.strategies._base import Strategy
-
-__all__ = ["compiled_step", "eager_step", "joining_functions", "variable_value"]
+__all__ = ["joining_functions", "variable_value"]
 
 # A variable's methods that read its value to inspect or convert it, not to
 # compute with it.
@@ -54,47 +40,6 @@ _NOT_JOINING = frozenset(
 )
 
 _DEVICE = "device"
-
-
-def compiled_step(step: Callable, strategy: Strategy) -> Callable:
-    """`step(state, *rest)`, to be jitted, computing on the state in device memory."""
-
-    @functools.wraps(step)
-    def on_device(state, *args, **kwargs):
-        moved = strategy.state_layout.to_compute(state)
-        outputs, new_state = step(moved, *args, **kwargs)
-        return outputs, _unchanged_as_stored(new_state, moved, state)
-
-    return on_device
-
-
-def eager_step(step: Callable, strategy: Strategy) -> Callable:
-    """`step(state, *rest)` run eagerly: state to device, new state back to storage."""
-
-    @functools.wraps(step)
-    def on_device(state, *args, **kwargs):
-        moved = strategy.state_layout.to_compute(state)
-        outputs, new_state = step(moved, *args, **kwargs)
-        new_state = _unchanged_as_stored(new_state, moved, state)
-        stored = {id(leaf) for leaf in jax.tree.leaves(state)}
-        return outputs, jax.tree.map(
-            lambda x: x if id(x) in stored else strategy.state_layout.to_storage(x),
-            new_state,
-        )
-
-    return on_device
-
-
-def _unchanged_as_stored(new_state, moved, stored):
-    """`new_state` with each value the step did not change given back as stored.
-
-    Weights an evaluate or predict step returns untouched then cost no copy
-    back to host memory (compiled, the output aliases the donated input).
-    """
-    back = dict(
-        zip(map(id, jax.tree.leaves(moved)), jax.tree.leaves(stored), strict=True)
-    )
-    return jax.tree.map(lambda x: back.get(id(x), x), new_state)
 
 
 def joining_functions() -> tuple[Callable, ...]:

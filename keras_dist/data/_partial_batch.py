@@ -19,7 +19,6 @@ loss reduction stay exact. No sample is dropped and none is counted twice.
 
 import functools
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -50,7 +49,6 @@ __all__ = [
     "take_real",
     "total_real",
     "unpad",
-    "unpadding",
 ]
 
 
@@ -239,16 +237,6 @@ def unpad(data: Any) -> Any:
             tuple(data),
         )
     )
-
-
-def unpadding(fn: Callable) -> Callable:
-    """Wraps a step `fn(state, data, ...)` so padded batches are cut first."""
-
-    @functools.wraps(fn)
-    def step(*args, **kwargs):
-        return fn(*(unpad(a) for a in args), **kwargs)
-
-    return step
 
 
 # Global arrays of a padded batch handed to user code (distributed datasets)

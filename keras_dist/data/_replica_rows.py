@@ -8,14 +8,14 @@ ask here: while a step of a keras_dist strategy runs (compiled: while it is
 traced), `current()` describes its batch — the replica count, the padded
 global size and the real rows — so row `i` of the real rows belonged to
 replica `replica_ids()[i]`. The state is declared and owned here, set by the
-step seams (`_keras_compat/_input.py`) for exactly the duration of one step
+one step wrapper (`training/_step.py`) for exactly the duration of one step
 call; nothing is written on a strategy or a model.
 """
 
+import contextlib
 import contextvars
 import dataclasses
-import functools
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,7 +28,7 @@ from keras_dist.data._partial_batch import (
     total_real,
 )
 
-__all__ = ["ReplicaRows", "current", "tracking"]
+__all__ = ["ReplicaRows", "current", "layout_of", "replica_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,30 +80,18 @@ def current() -> ReplicaRows | None:
     return _CURRENT.get()
 
 
-def tracking(step: Callable, replicas: Callable[[], int | None]) -> Callable:
-    """Wraps a Keras step `step(state, data)` so `current()` describes `data`.
-
-    Args:
-        step: the step function (it may cut padding itself: the layout is
-            read from its arguments before).
-        replicas: returns the replica count of the strategy running the step
-            (None: no keras_dist strategy, nothing is recorded).
-    """
-
-    @functools.wraps(step)
-    def wrapped(*args, **kwargs):
-        count = replicas()
-        layout = _layout_of(args, count) if count else None
-        token = _CURRENT.set(layout)
-        try:
-            return step(*args, **kwargs)
-        finally:
-            _CURRENT.reset(token)
-
-    return wrapped
+@contextlib.contextmanager
+def replica_rows(layout: ReplicaRows | None) -> Iterator[None]:
+    """Within: `current()` is `layout` (the step seams' one step call)."""
+    token = _CURRENT.set(layout)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
-def _layout_of(args: tuple, replicas: int) -> ReplicaRows | None:
+def layout_of(args: tuple, replicas: int) -> ReplicaRows | None:
+    """The layout of the batch among a step's arguments `(state, data)`."""
     padded = [a for a in args if isinstance(a, PaddedBatch)]
     data: Any = tuple(padded[0]) if padded else (args[-1] if args else None)
     try:

@@ -2,8 +2,8 @@
 
 A `ResidentPass` (`_resident.py`) hands Keras's step, instead of the batch,
 the dataset's arrays (already on every device) and the step's row indices
-(split over the replicas). The step seams (`_keras_compat/_input.py`) wrap
-every step so it first gathers the batch (`gathering`): inside the compiled
+(split over the replicas). The one step wrapper (`training/_step.py`) makes
+every step first gather the batch (`gathered`): inside the compiled
 step the gather is part of the one program — no second dispatch a step, and
 no program next to the step's own — and without `jit` it runs eagerly.
 
@@ -24,7 +24,6 @@ a tuple (`keras_form`: a `ResidentTuple` of `ResidentElement`s), so that
 Keras unpacks it as it unpacks the batch.
 """
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +32,7 @@ import optree
 
 from keras_dist.data._partial_batch import as_padded_batch, unpad
 
-__all__ = ["ResidentBatch", "ResidentTuple", "gathering", "keras_form"]
+__all__ = ["ResidentBatch", "ResidentTuple", "gathered", "keras_form"]
 
 
 class ResidentBatch:
@@ -172,26 +171,15 @@ optree.register_pytree_node(
 )
 
 
-def gathering(step: Callable, take: Callable[[], Callable | None]) -> Callable:
-    """Wraps a step `step(state, data)` so a `ResidentBatch` is gathered first.
+def gathered(value: Any, take: Callable) -> Any:
+    """`value` gathered with `take` if it is a device-resident batch, else itself.
 
     Args:
-        step: the step function.
-        take: returns the running strategy's `take_rows` (None: no strategy).
+        value: a step's argument.
+        take: the running strategy's `take_rows`.
     """
-
-    @functools.wraps(step)
-    def wrapped(*args, **kwargs):
-        if any(isinstance(a, (ResidentBatch, ResidentTuple)) for a in args):
-            gather = take()
-            args = tuple(
-                a.gather(gather)
-                if isinstance(a, ResidentBatch)
-                else a.batch.gather(gather)
-                if isinstance(a, ResidentTuple)
-                else a
-                for a in args
-            )
-        return step(*args, **kwargs)
-
-    return wrapped
+    if isinstance(value, ResidentBatch):
+        return value.gather(take)
+    if isinstance(value, ResidentTuple):
+        return value.batch.gather(take)
+    return value

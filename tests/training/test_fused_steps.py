@@ -35,9 +35,9 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from keras_dist._keras_compat._input import _Unpadding
 from keras_dist.data._batch_group import group_of
 from keras_dist.training._fused_steps import FusedSteps, has_primitive
+from keras_dist.training._step import StepProgram
 from tests._helpers import (
     InterruptAt,
     assert_history_close,
@@ -202,11 +202,11 @@ def _assert_same(expected: Result, got: Result, what: str) -> None:
 def dispatches(monkeypatch):
     """Counts the calls of fused programs and of one-step programs.
 
-    A one-step program is called `(state, batch)`; Keras's predict also jits
-    the concatenation of a group's outputs (one argument), not counted.
+    A one-step program is a compiled `StepProgram`, called `(state, batch)`
+    (an eager step is a `StepProgram` too, not a program: not counted).
     """
     counts = collections.Counter()
-    init, call = FusedSteps.__init__, _Unpadding.__call__
+    init, call = FusedSteps.__init__, StepProgram.__call__
 
     def counting_init(self, step, jit, **kwargs):
         def counting_jit(program):
@@ -221,11 +221,11 @@ def dispatches(monkeypatch):
         init(self, step, counting_jit, **kwargs)
 
     def counting_call(self, *args, **kwargs):
-        counts["one_step"] += len(args) == 2
+        counts["one_step"] += len(args) == 2 and self.compiled
         return call(self, *args, **kwargs)
 
     monkeypatch.setattr(FusedSteps, "__init__", counting_init)
-    monkeypatch.setattr(_Unpadding, "__call__", counting_call)
+    monkeypatch.setattr(StepProgram, "__call__", counting_call)
     return counts
 
 
