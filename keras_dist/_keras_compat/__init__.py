@@ -97,6 +97,7 @@ from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._accumulation import (
     _backend_apply_gradients,
     _get_current_learning_rate,
+    _iterations,
 )
 from keras_dist._keras_compat._host_values import _array
 from keras_dist._keras_compat._input import (
@@ -175,6 +176,7 @@ _SEAMS: tuple = (
         "BaseOptimizer._get_current_learning_rate",
         _get_current_learning_rate,
     ),
+    (_BASE_OPTIMIZER, "BaseOptimizer.iterations", _iterations),
     (
         "keras.src.backend.jax.optimizer",
         "JaxOptimizer._backend_apply_gradients",

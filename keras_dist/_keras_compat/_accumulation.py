@@ -6,10 +6,14 @@ sees micro-steps (`keras_dist/training/_gradient_accumulation.py` says why
 and what keras_dist does instead). Two wrappers hand an optimizer that
 accumulates gradients and belongs to a keras_dist strategy to that module:
 
-- `JaxOptimizer._backend_apply_gradients` (the update of one `apply`);
+- `JaxOptimizer._backend_apply_gradients` (the update of one `apply`):
+  accumulate, and on every N-th micro-step run the original — Keras's own
+  update — on the mean gradients, as without accumulation;
 - `BaseOptimizer._get_current_learning_rate` (`optimizer.learning_rate`,
   read inside the update and by callbacks): a schedule is evaluated at the
-  number of updates, `optimizer.iterations`.
+  number of updates, `optimizer.iterations`;
+- `BaseOptimizer.iterations`: while Keras's own update runs (accumulation
+  off for its duration), still the number of updates (its EMA reads it).
 
 Every other optimizer runs Keras's own code.
 """
@@ -23,9 +27,10 @@ from keras_dist.training._gradient_accumulation import (
     accumulates_under_strategy,
     apply_accumulated,
     schedule_step,
+    update_number,
 )
 
-__all__ = ["_backend_apply_gradients", "_get_current_learning_rate"]
+__all__ = ["_backend_apply_gradients", "_get_current_learning_rate", "_iterations"]
 
 
 def _backend_apply_gradients(method: Callable) -> Callable:
@@ -33,7 +38,7 @@ def _backend_apply_gradients(method: Callable) -> Callable:
     def wrapper(optimizer, grads, trainable_variables):
         if not accumulates_under_strategy(optimizer):
             return method(optimizer, grads, trainable_variables)
-        return apply_accumulated(optimizer, grads, trainable_variables)
+        return apply_accumulated(optimizer, grads, trainable_variables, method)
 
     wrapper._keras_dist_wrapped = method
     return wrapper
@@ -51,3 +56,15 @@ def _get_current_learning_rate(method: Callable) -> Callable:
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+def _iterations(iterations: property) -> property:
+    read = iterations.fget
+
+    @functools.wraps(read)
+    def updates(optimizer):
+        number = update_number(optimizer)
+        return read(optimizer) if number is None else number
+
+    updates._keras_dist_wrapped = read
+    return property(updates, iterations.fset, iterations.fdel, iterations.__doc__)

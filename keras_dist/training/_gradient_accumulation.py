@@ -17,10 +17,11 @@ Under a keras_dist strategy:
 - `apply` adds each micro-batch's gradients to the accumulators (laid out
   like optimizer state: `add_variable_from_reference` goes through the
   strategy's `state_layout.slot_layout`, so ZeRO-1 and FSDP split them); on every N-th
-  micro-step the update — clipping, weight decay, `update_step` and EMA, as
-  Keras does them, on the mean of the N gradients — runs inside the taken
-  branch of a `lax.cond`, in its own `StatelessScope`, and resets the
-  accumulators. The other branch only accumulates.
+  micro-step Keras's own update — its non-accumulating branch: clipping,
+  weight decay, `update_step` and EMA — runs on the mean of the N
+  gradients inside the taken branch of a `lax.cond`, in its own
+  `StatelessScope`, and resets the accumulators. The other branch only
+  accumulates.
 - `schedule_step` is the step a `LearningRateSchedule` sees:
   `optimizer.iterations`, the number of updates made. So a schedule, a
   callback reading `optimizer.learning_rate` and EMA all count updates.
@@ -33,17 +34,35 @@ of the N averaged), as in Keras; a layer that computes batch statistics
 (BatchNormalization) sees micro-batches.
 """
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import keras
 
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 
-__all__ = ["accumulates_under_strategy", "apply_accumulated", "schedule_step"]
+__all__ = [
+    "accumulates_under_strategy",
+    "apply_accumulated",
+    "schedule_step",
+    "update_number",
+]
+
+# While Keras's own update runs for an accumulating optimizer (inside the
+# taken branch): (the optimizer, the number of updates made before this one).
+_KERAS_UPDATE: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "keras_dist_keras_update", default=None
+)
 
 
 def accumulates_under_strategy(optimizer: keras.optimizers.Optimizer) -> bool:
     """Whether `optimizer` accumulates gradients and belongs to a strategy."""
+    if update_number(optimizer) is not None:
+        return True
     if not getattr(optimizer, "gradient_accumulation_steps", None):
         return False
     iterations = getattr(optimizer, "_iterations", None)
@@ -52,13 +71,23 @@ def accumulates_under_strategy(optimizer: keras.optimizers.Optimizer) -> bool:
     return isinstance(keras.distribution.distribution(), Strategy)
 
 
+def update_number(optimizer: keras.optimizers.Optimizer) -> Any:
+    """While Keras's own update of `optimizer` runs: the updates made so far."""
+    running = _KERAS_UPDATE.get()
+    return running[1] if running is not None and running[0] is optimizer else None
+
+
 def schedule_step(optimizer: keras.optimizers.Optimizer):
     """The step a learning-rate schedule sees: updates made so far."""
-    return optimizer.iterations
+    number = update_number(optimizer)
+    return optimizer.iterations if number is None else number
 
 
 def apply_accumulated(
-    optimizer: keras.optimizers.Optimizer, grads: list, trainable_variables: list
+    optimizer: keras.optimizers.Optimizer,
+    grads: list,
+    trainable_variables: list,
+    keras_update: Callable,
 ) -> None:
     """Accumulates `grads`; on every N-th call, updates with their mean.
 
@@ -67,6 +96,9 @@ def apply_accumulated(
         grads: the micro-batch's gradients, one per variable (no `None`).
         trainable_variables: the variables `grads` belong to (a subset of
             those the optimizer was built with).
+        keras_update: Keras's own `_backend_apply_gradients(optimizer, grads,
+            variables)`, run as without accumulation on the mean gradients
+            (clipping, weight decay, `update_step`, EMA).
     """
     steps = optimizer.gradient_accumulation_steps
     accumulators = [
@@ -75,12 +107,14 @@ def apply_accumulated(
     ]
     state = _update_state(optimizer)
     is_update_step = (optimizer._iterations.value + 1) % steps == 0
+    updates_made = optimizer.iterations
 
     def update(values, grads, sums):
         mapping = list(zip(state, values, strict=True))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             mean = [(g + s) / steps for g, s in zip(grads, sums, strict=True)]
-            _keras_update(optimizer, mean, trainable_variables)
+            with _as_one_update(optimizer, updates_made):
+                keras_update(optimizer, mean, trainable_variables)
         new = [scope.get_current_value(v) for v in state]
         new = [_like(x, old) for x, old in zip(new, values, strict=True)]
         return new, [jnp.zeros_like(s) for s in sums]
@@ -103,22 +137,22 @@ def apply_accumulated(
         accumulator.assign(value)
 
 
-def _keras_update(optimizer, grads, trainable_variables) -> None:
-    """Keras's update on averaged gradients (its non-accumulating branch)."""
-    grads = optimizer._clip_gradients(grads)
-    optimizer._apply_weight_decay(trainable_variables)
-    optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
-    if optimizer.use_ema:
-        optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
-        if optimizer.ema_overwrite_frequency:
-            frequency = optimizer.ema_overwrite_frequency
-            overwrite = (optimizer.iterations + 1) % frequency == 0
-            for variable, average in zip(
-                optimizer._trainable_variables,
-                optimizer._model_variables_moving_average,
-                strict=True,
-            ):
-                variable.assign(jnp.where(overwrite, average.value, variable.value))
+@contextlib.contextmanager
+def _as_one_update(optimizer, updates_made) -> Iterator[None]:
+    """Keras's update as without accumulation, counting updates, not micro-steps.
+
+    `gradient_accumulation_steps` is off for its duration (so Keras takes
+    its non-accumulating branch); `optimizer.iterations` and a schedule's
+    step read `updates_made` (`update_number`), as they do outside.
+    """
+    steps = optimizer.gradient_accumulation_steps
+    token = _KERAS_UPDATE.set((optimizer, updates_made))
+    optimizer.gradient_accumulation_steps = None
+    try:
+        yield
+    finally:
+        optimizer.gradient_accumulation_steps = steps
+        _KERAS_UPDATE.reset(token)
 
 
 def _update_state(optimizer) -> list:
