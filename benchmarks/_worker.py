@@ -263,7 +263,8 @@ def run_jax_loop():
             return kd.get_replica_context().all_reduce("sum", loss), new
 
         state = jax.device_put(
-            (trainable, non_trainable, optimizer.init(trainable)), strategy._replicated
+            (trainable, non_trainable, optimizer.init(trainable)),
+            strategy.state_layout.replicated,
         )
 
         def epoch(state):

@@ -34,7 +34,7 @@ from keras_dist.data._pipeline import InputPass, keras_batch
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
 from keras_dist.training._fused_steps import FusedSteps
-from keras_dist.training._step import StepProgram
+from keras_dist.training._step import StepProgram, timed
 
 __all__ = [
     "_distribute_data",
@@ -69,8 +69,10 @@ def _jit(fun: Callable, *args, **kwargs):
     anything else it jits (`concatenate`) is compiled as it asks.
     """
     strategy = current_strategy()
-    if strategy is None or kwargs.get("donate_argnums") != 0:
+    if kwargs.get("donate_argnums") != 0:
         return _originals["jit"](fun, *args, **kwargs)
+    if strategy is None:  # Plain Keras: only timed (`ScalingReport`).
+        return timed(_originals["jit"](fun, *args, **kwargs))
     return StepProgram(
         fun,
         strategy,
@@ -88,7 +90,10 @@ def _make_function(self, step_function, concatenate_outputs=False):
     step functions it made across calls).
     """
     strategy = current_strategy()
-    if strategy is not None and not isinstance(step_function, StepProgram):
+    if strategy is None:
+        if not getattr(step_function, "_keras_dist_timed", False):
+            step_function = timed(step_function)  # Plain Keras's eager step.
+    elif not isinstance(step_function, StepProgram):
         step_function = StepProgram(
             step_function, strategy, predict=concatenate_outputs, jit=None
         )
@@ -116,7 +121,7 @@ def _distribute_data(data, layouts=None):
     strategy = current_strategy()
     if strategy is None:
         return _originals["_distribute_data"](data, layouts)
-    return keras_batch(strategy, data)
+    return keras_batch(strategy.placement, data)
 
 
 def _get_distributed_iterator(self, distribution: Any):
@@ -126,12 +131,12 @@ def _get_distributed_iterator(self, distribution: Any):
             self, distribution
         )
     adapter = self.data_adapter
-    resident = resident_pass(adapter, distribution)
+    resident = resident_pass(adapter, distribution.placement)
     if resident is not None:  # In-memory arrays laid out on the mesh once.
         return resident
     name = type(adapter).__name__
     return InputPass(
-        distribution,
+        distribution.placement,
         adapter.get_jax_iterator(),
         source=f"the {name.removesuffix('Adapter')} input",
         per_process=distribution.spans_processes

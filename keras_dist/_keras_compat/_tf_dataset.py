@@ -30,7 +30,7 @@ def tf_dataset_adapter_init(original: Callable) -> Callable:
     ):
         original(self, dataset, class_weight=class_weight, distribution=distribution)
         if isinstance(distribution, Strategy):
-            self._dataset = per_process_share(distribution, self._dataset)
+            self._dataset = per_process_share(distribution.placement, self._dataset)
 
     __init__._keras_dist_wrapped = original
     return __init__

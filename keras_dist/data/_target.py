@@ -1,9 +1,10 @@
 """`InputTarget`: what the input layer reads of a strategy, and nothing more.
 
 The input layer sits below the strategies: it imports none of them, and a
-strategy hands itself to it (`experimental_distribute_dataset`, Keras's
-per-pass iterator seam). What it may use is declared here; every keras_dist
-`Strategy` provides it as public, documented members.
+strategy hands it its `placement` (`experimental_distribute_dataset`,
+Keras's per-pass iterator seam) — the collaborator that lays data out on
+the strategy's mesh (`strategies/_placement.py`). What the input layer may
+use is declared here, and nothing else of a strategy.
 """
 
 from typing import Any, Protocol

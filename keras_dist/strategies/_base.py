@@ -1,12 +1,12 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import keras
-from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
@@ -16,7 +16,6 @@ from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
 from keras_dist.strategies._memory_report import MemoryReport, memory_report
 from keras_dist.strategies._pacing import Pacer
-from keras_dist.strategies._placement import Placement
 from keras_dist.strategies._resident_placement import ResidentPlacement
 from keras_dist.strategies._state_layout import StateLayout
 from keras_dist.strategies._values import ReduceOp
@@ -27,7 +26,7 @@ strategy_of_model = _ownership.strategy_of_model
 strategy_of_variable = _ownership.strategy_of_variable
 
 
-class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
+class Strategy(keras.distribution.DataParallel):
     """Base class of keras_dist strategies: a data-parallel Keras distribution.
 
     A strategy owns a 1-D `jax.sharding.Mesh` with the axis `"batch"`. Inside
@@ -58,21 +57,8 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
         self._state_layout = state_layout(self.device_mesh, type(self).__name__)
         _ownership.register(self)
         self._run_cache: dict = {}
-        # Computed once: the input path uses them for every batch.
-        self._local_replica_count = sum(
-            d.process_index == jax.process_index() for d in self.devices
-        )
-        self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._data_shardings: dict[int, NamedSharding] = {}
-        self._process_count = len({d.process_index for d in self.devices})
-        self._spans_processes = self._process_count > 1
-        self._row_ranges: dict[int, slice] = {}
-        # ids of the batches `shard` laid out, while they live (`_placement`).
-        self._laid_out_batches: dict[int, None] = {}
-        self._step_numbers: list[jax.Array] = []  # `step_numbers`, kept.
-        self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
-        self._input_options = InputOptions()
         self._pacer = Pacer(self.devices)  # Programs in flight (CPU devices).
+        self._placement = ResidentPlacement(self.mesh, self._state_layout, self._pacer)
 
     @property
     def state_layout(self) -> StateLayout:
@@ -85,6 +71,31 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
         return self._state_layout
 
     @property
+    def placement(self) -> ResidentPlacement:
+        """Where this strategy's data goes: what the input pipeline talks to.
+
+        Lays batches out over the mesh (`shard`), says which rows live on
+        this process, places device-resident datasets. Input machinery: a
+        user passes data to `fit` or `experimental_distribute_dataset`.
+        """
+        return self._placement
+
+    @property
+    def num_local_replicas(self) -> int:
+        """Replicas on this process's devices (all of them with one process)."""
+        return self._placement.num_local_replicas
+
+    @property
+    def num_processes(self) -> int:
+        """How many processes hold the strategy's devices (1 on one host)."""
+        return self._placement.num_processes
+
+    @property
+    def process_id(self) -> int:
+        """This process's index among the strategy's processes, from 0."""
+        return self._placement.process_id
+
+    @property
     def pacer(self) -> Pacer:
         """Bounds the programs in flight on CPU devices (nothing elsewhere)."""
         return self._pacer
@@ -92,7 +103,7 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
     @property
     def spans_processes(self) -> bool:
         """Whether the mesh has devices of several processes."""
-        return self._spans_processes
+        return self._placement.spans_processes
 
     def get_variable_layout(self, variable) -> keras.distribution.TensorLayout:
         """Keras's hook: the layout each new variable is created with.
@@ -104,7 +115,7 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
         """
         if getattr(variable, "_layout", None) is not None:
             return variable._layout
-        if self._spans_processes:
+        if self.spans_processes:
             _check_same_variable(variable)
         return self._state_layout.variable_layout(variable)
 
@@ -145,7 +156,7 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
 
         A `kd.InputOptions`; e.g. `device_resident` for in-memory arrays.
         """
-        return self._input_options
+        return self._placement.input_options
 
     @input_options.setter
     def input_options(self, options: InputOptions) -> None:
@@ -155,7 +166,7 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
                 f"input_options={options!r}. Use e.g. "
                 "`strategy.input_options = kd.InputOptions(device_resident=True)`."
             )
-        self._input_options = options
+        self._placement.input_options = options
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -277,7 +288,9 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
         Raises:
             ValueError: if the dataset is not batched.
         """
-        return _distributed_dataset.distribute_dataset(self, dataset, options)
+        return _distributed_dataset.distribute_dataset(
+            self._placement, dataset, options
+        )
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
         """Builds the input from `dataset_fn(input_context)` per input pipeline.
@@ -291,7 +304,7 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
             ValueError: if the returned dataset is not batched.
         """
         return _distributed_dataset.distribute_datasets_from_function(
-            self, dataset_fn, options
+            self._placement, dataset_fn, options
         )
 
     def __repr__(self) -> str:
@@ -304,6 +317,42 @@ class Strategy(Placement, ResidentPlacement, keras.distribution.DataParallel):
         )
 
     __str__ = __repr__
+
+
+# Input machinery that was public on every strategy: now `strategy.placement`'s.
+_MOVED_TO_PLACEMENT = (
+    "shard",
+    "shard_steps",
+    "process_rows",
+    "step_numbers",
+    "step_range",
+    "place_dataset",
+    "place_blocks",
+    "place_rows",
+    "exchange_rows",
+    "take_rows",
+)
+
+
+def _moved_to_placement(name: str) -> Callable:
+    def moved(self, *args, **kwargs):
+        warnings.warn(
+            f"`strategy.{name}` is input machinery and moved to "
+            f"`strategy.placement.{name}`; the strategy's own `{name}` will be "
+            "removed in a later release. To split data over the replicas, pass "
+            "it to `fit` or `strategy.experimental_distribute_dataset`.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(self.placement, name)(*args, **kwargs)
+
+    moved.__name__ = moved.__qualname__ = name
+    moved.__doc__ = f"Deprecated: use `strategy.placement.{name}`."
+    return moved
+
+
+for _name in _MOVED_TO_PLACEMENT:
+    setattr(Strategy, _name, _moved_to_placement(_name))
 
 
 def _check_same_variable(variable) -> None:

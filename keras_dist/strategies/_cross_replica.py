@@ -72,7 +72,7 @@ def _check_same_strategy(strategy: "Strategy", leaf, name: str, value: Any) -> N
 def _as_per_replica(strategy: "Strategy", leaf) -> PerReplica | None:
     if isinstance(leaf, PerReplica):
         return leaf
-    if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
+    if isinstance(leaf, jax.Array) and strategy.placement.is_batch_sharded(leaf):
         replicas = strategy.num_replicas_in_sync
         b = leaf.shape[0] // replicas
         return PerReplica(
@@ -120,9 +120,9 @@ def gather(strategy: "Strategy", value: Any, axis: int) -> Any:
 
 def _everywhere(strategy: "Strategy", result: Any) -> Any:
     """With several processes: the whole result on every process (replicated)."""
-    if not strategy._spans_processes:
+    if not strategy.spans_processes:
         return result
-    return _copy_to(strategy._replicated)(result)
+    return _copy_to(strategy.state_layout.replicated)(result)
 
 
 @functools.cache
@@ -177,7 +177,7 @@ def experimental_local_results(strategy: "Strategy", value: Any) -> tuple:
 
 
 def _local_values(strategy: "Strategy", leaf, local: list[int]) -> list:
-    if isinstance(leaf, jax.Array) and strategy._is_batch_sharded(leaf):
+    if isinstance(leaf, jax.Array) and strategy.placement.is_batch_sharded(leaf):
         shards = {s.device: s.data for s in leaf.addressable_shards}
         b = leaf.shape[0] // strategy.num_replicas_in_sync
         num_real = num_real_of(leaf)

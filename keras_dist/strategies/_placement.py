@@ -8,6 +8,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _sparse
+from keras_dist.data._input_context import InputOptions
+from keras_dist.strategies._pacing import Pacer
 
 __all__ = ["BATCH_AXIS", "Placement"]
 
@@ -15,22 +17,48 @@ BATCH_AXIS = "batch"
 
 
 class Placement:
-    """The input side of `Strategy`: shardings and per-process rows.
+    """The input side of a strategy: shardings and per-process rows.
 
-    The input pipeline (`keras_dist/data/_pipeline.py`) reads, checks and pads
-    batches; a strategy only says which rows live on this process
-    (`process_rows`) and lays them out over its mesh (`shard`). These and the
-    counts `num_local_replicas`, `num_processes`, `process_id` are what the
-    input layer reads of a strategy (`keras_dist/data/_target.py`).
+    A collaborator every `Strategy` owns (`strategy.placement`), not a mixin,
+    and the strategy as the input layer sees it: it implements
+    `keras_dist/data/_target.InputTarget`, and the input pipeline
+    (`keras_dist/data/_pipeline.py`) talks to nothing else of a strategy.
+    The pipeline reads, checks and pads batches; the placement says which
+    rows live on this process (`process_rows`) and lays them out over the
+    mesh (`shard`). Device-resident datasets: `_resident_placement`.
 
-    A mixin: `Strategy.__init__` sets `mesh`, `_replicated`, `_data_shardings`,
-    `_row_ranges`, `_process_count`, `_spans_processes`, `_local_replica_count`,
-    `_laid_out_batches`. Device-resident datasets: `_resident_placement`.
+    Args:
+        mesh: the strategy's 1-D `jax.sharding.Mesh` (axis `"batch"`).
+        state_layout: the strategy's `StateLayout` (a batch is told from a
+            split variable by its layout only when no state is split).
+        pacer: the strategy's `Pacer` (programs in flight on CPU devices).
     """
 
-    # Placement helpers ------------------------------------------------------
+    def __init__(self, mesh: jax.sharding.Mesh, state_layout: Any, pacer: Pacer):
+        self.mesh = mesh
+        self.devices: tuple[jax.Device, ...] = tuple(mesh.devices.flat)
+        self.state_layout = state_layout
+        self.pacer = pacer
+        self.input_options = InputOptions()
+        self._replicated = state_layout.replicated
+        here = jax.process_index()
+        # Computed once: the input path uses them for every batch.
+        self._local_replica_count = sum(d.process_index == here for d in self.devices)
+        self._process_count = len({d.process_index for d in self.devices})
+        self.spans_processes = self._process_count > 1
+        self._data_shardings: dict[int, NamedSharding] = {}
+        self._row_ranges: dict[int, slice] = {}
+        # ids of the batches `shard` laid out, while they live.
+        self._laid_out_batches: dict[int, None] = {}
+        self._step_numbers: list[jax.Array] = []  # `step_numbers`, kept.
+        self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
 
-    def _is_batch_sharded(self, array: jax.Array) -> bool:
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas a global batch is split over (all processes)."""
+        return len(self.devices)
+
+    def is_batch_sharded(self, array: jax.Array) -> bool:
         """Whether `array` is a global batch split over the replicas.
 
         A variable split along its first axis (FSDP, a partitioner, ZeRO-1
@@ -50,20 +78,21 @@ class Placement:
             return False
         return not self.state_layout.splits_state or id(array) in self._laid_out_batches
 
-    def _remember_batches(self, arrays: list) -> None:
-        for array in arrays:
-            if isinstance(array, jax.Array) and not _sparse.is_sparse(array):
-                key = id(array)
-                self._laid_out_batches[key] = None
-                weakref.finalize(array, self._laid_out_batches.pop, key, None)
-
-    def _replicate(self, array) -> jax.Array:
+    def replicate(self, array) -> jax.Array:
+        """`array` laid out whole on every device (unchanged if it already is)."""
         if isinstance(array, jax.Array) and (
             array.sharding == self._replicated
             or array.sharding.is_equivalent_to(self._replicated, array.ndim)
         ):
             return array
         return jax.device_put(array, self._replicated)
+
+    def _remember_batches(self, arrays: list) -> None:
+        for array in arrays:
+            if isinstance(array, jax.Array) and not _sparse.is_sparse(array):
+                key = id(array)
+                self._laid_out_batches[key] = None
+                weakref.finalize(array, self._laid_out_batches.pop, key, None)
 
     def _data_sharding(self, ndim: int) -> NamedSharding:
         sharding = self._data_shardings.get(ndim)
@@ -117,7 +146,7 @@ class Placement:
         """
         leaves, treedef = jax.tree.flatten(data, is_leaf=_sparse.is_leaf)
         arrays = [_as_array(x) for x in leaves]
-        if not self._spans_processes:
+        if not self.spans_processes:
             # A sparse matrix is replicated (its children count stored
             # entries, not rows: `_sparse`).
             placed = [
@@ -155,7 +184,7 @@ class Placement:
             Arrays split along their second axis (the rows), so the batch
             of each step is laid out as `shard` lays it out.
         """
-        if self._spans_processes:
+        if self.spans_processes:
             raise ValueError(
                 "`shard_steps` lays out batches of one process only. Received a "
                 f"strategy over {self._process_count} processes; use `shard` for "

@@ -1,6 +1,6 @@
 """Device-resident datasets on a strategy's mesh: placed once, taken in the step.
 
-The strategy side of `keras_dist/data/_resident.py`: a dataset copied to
+The placement side of `keras_dist/data/_resident.py`: a dataset copied to
 every device (`place_dataset`), split over the replicas as blocks of
 batches (`place_blocks`), or split by rows (`place_rows`) with each pass
 laid out as blocks from them (`exchange_rows`, the program in
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keras_dist.strategies._exchange import exchange, plan_exchange
-from keras_dist.strategies._placement import _as_array, _place
+from keras_dist.strategies._placement import Placement, _as_array, _place
 from keras_dist.strategies._take_rows import take_block, take_rows
 
 __all__ = ["ResidentPlacement"]
@@ -27,10 +27,10 @@ __all__ = ["ResidentPlacement"]
 _ROUND_BYTES = 64 * 2**20
 
 
-class ResidentPlacement:
-    """A mixin of `Strategy`, next to `Placement` (whose helpers it uses).
+class ResidentPlacement(Placement):
+    """A `Placement` that also lays out device-resident datasets.
 
-    `Strategy.__init__` sets `_step_numbers` and `_step_ranges`.
+    What every `Strategy` owns as its `placement`.
     """
 
     def step_numbers(self, count: int) -> list[jax.Array]:
@@ -64,7 +64,7 @@ class ResidentPlacement:
 
         For `take_rows`; one process only.
         """
-        return jax.tree.map(lambda leaf: self._replicate(_as_array(leaf)), data)
+        return jax.tree.map(lambda leaf: self.replicate(_as_array(leaf)), data)
 
     def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
         """Lays a dataset read in its order out as blocks split over the replicas.
@@ -98,7 +98,7 @@ class ResidentPlacement:
 
         def tail(leaf):
             leaf = _as_array(leaf)
-            return self._replicate(leaf[leaf.shape[0] // batch_rows * batch_rows :])
+            return self.replicate(leaf[leaf.shape[0] // batch_rows * batch_rows :])
 
         return jax.tree.map(blocks, data), jax.tree.map(tail, data)
 
@@ -158,7 +158,7 @@ class ResidentPlacement:
         send = _place(plan.send, self._data_sharding(plan.send.ndim))
         receive = _place(plan.receive, self._data_sharding(plan.receive.ndim))
         groups = exchange(self.mesh, rows, send, receive, plan.segments)
-        self._pacer.after(groups)
+        self.pacer.after(groups)
         return groups
 
     def take_rows(self, dataset: list, indices, *, blocked: bool = False):

@@ -101,7 +101,7 @@ def _classify(strategy: "Strategy", leaves, tree):
             if leaf.per_replica_batch is not None and per_replica_batch is None:
                 per_replica_batch, num_real = leaf.per_replica_batch, leaf.num_real
         elif isinstance(leaf, jax.Array):
-            if strategy._is_batch_sharded(leaf):
+            if strategy.placement.is_batch_sharded(leaf):
                 kinds.append(_Kind.BATCH)
                 values.append(leaf)
                 if per_replica_batch is None:
@@ -114,11 +114,13 @@ def _classify(strategy: "Strategy", leaves, tree):
             # A variable split over this mesh (FSDP, a partitioner, ZeRO-1
             # slots) is gathered inside the compiled step, where it is used.
             values.append(
-                leaf if _split_state(strategy, leaf) else strategy._replicate(leaf)
+                leaf
+                if _split_state(strategy, leaf)
+                else strategy.placement.replicate(leaf)
             )
         elif isinstance(leaf, (np.ndarray, np.generic)):
             kinds.append(_Kind.REPLICATED)
-            values.append(strategy._replicate(leaf))
+            values.append(strategy.placement.replicate(leaf))
         else:
             try:
                 hash(leaf)

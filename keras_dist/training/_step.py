@@ -37,7 +37,7 @@ from keras_dist.data._replica_rows import layout_of, replica_rows
 from keras_dist.data._resident_batch import gathered
 from keras_dist.strategies._base import Strategy
 
-__all__ = ["StepProgram"]
+__all__ = ["StepProgram", "timed"]
 
 
 class StepProgram:
@@ -100,7 +100,7 @@ class StepProgram:
 def _prepared(step: Callable, strategy: Strategy, *, predict: bool) -> Callable:
     """Steps 1-4 of the module docstring around `step(state, data)`."""
     replicas = strategy.num_replicas_in_sync
-    take = strategy.take_rows
+    take = strategy.placement.take_rows
     outputs_whole = predict and strategy.spans_processes
     replicated = strategy.state_layout.replicated
 
@@ -162,10 +162,21 @@ def _unchanged_as_stored(new_state, moved, stored):
     return jax.tree.map(lambda x: back.get(id(x), x), new_state)
 
 
+def timed(program: Callable) -> Callable:
+    """A step of plain Keras (no strategy): counted in the call's `StepStats`.
+
+    So `kd.utils.ScalingReport` reads dispatch times without a strategy too.
+    """
+    program = _timed(program, steps=1, pacer=None)
+    program._keras_dist_timed = True
+    return program
+
+
 def _timed(program: Callable, *, steps: int, pacer) -> Callable:
     """`program`, each call counted as `steps` steps in the call's `StepStats`.
 
-    After each call, `pacer` bounds the programs in flight (CPU devices).
+    After each call, `pacer` (if any) bounds the programs in flight (CPU
+    devices).
     """
 
     @functools.wraps(program)
@@ -175,7 +186,8 @@ def _timed(program: Callable, *, steps: int, pacer) -> Callable:
         call = _call.active()
         if call is not None:
             call.step_stats.record(time.perf_counter() - start, steps)
-        pacer.after(outputs)
+        if pacer is not None:
+            pacer.after(outputs)
         return outputs
 
     return timed

@@ -35,7 +35,7 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
         np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
         np.arange(70, dtype=np.int32) * 10,
     ]
-    blocks, tail = strategy.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
+    blocks, tail = strategy.placement.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
     for block, rows in zip(blocks, data, strict=True):
         assert block.shape == (4, 16, *rows.shape[1:])
         for shard in block.addressable_shards:  # Its rows of every batch.
@@ -43,23 +43,27 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
     for part, rows in zip(tail, data, strict=True):
         np.testing.assert_array_equal(part, rows[64:])
         assert part.sharding.is_fully_replicated
-    step = strategy.step_numbers(3)[2]  # Batch 2: rows 32-47.
-    taken = strategy.take_rows(blocks, step, blocked=True)
-    placed = strategy.place_dataset(data)
-    gathered = strategy.take_rows(placed, strategy.shard(np.arange(32, 48)))
+    step = strategy.placement.step_numbers(3)[2]  # Batch 2: rows 32-47.
+    taken = strategy.placement.take_rows(blocks, step, blocked=True)
+    placed = strategy.placement.place_dataset(data)
+    gathered = strategy.placement.take_rows(
+        placed, strategy.placement.shard(np.arange(32, 48))
+    )
     for got, want, rows in zip(taken, gathered, data, strict=True):
         np.testing.assert_array_equal(got, rows[32:48])
         np.testing.assert_array_equal(got, want)
         assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
     # Each device indexes its own block: no gather, no collective (indices:
     # a gather).
-    jaxpr = jax.make_jaxpr(lambda s: strategy.take_rows(blocks, s, blocked=True))
+    jaxpr = jax.make_jaxpr(
+        lambda s: strategy.placement.take_rows(blocks, s, blocked=True)
+    )
     for primitive in ("gather", "all_gather", "psum", "all_to_all", "ppermute"):
         assert not has_primitive(jaxpr(step).jaxpr, primitive)
-    by_index = jax.make_jaxpr(lambda i: strategy.take_rows(placed, i))
+    by_index = jax.make_jaxpr(lambda i: strategy.placement.take_rows(placed, i))
     assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
     with pytest.raises(ValueError, match="batch_rows=12 for 8 replicas"):
-        mirrored(8).place_blocks(data, 12)
+        mirrored(8).placement.place_blocks(data, 12)
 
 
 @pytest.mark.parametrize("devices", [1, 2, 8])
@@ -69,7 +73,7 @@ def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
         np.arange(70 * 3, dtype=np.float32).reshape(70, 3) + 1,
         np.arange(70, dtype=np.int32) * 10 + 1,
     ]
-    split, replica_rows = strategy.place_rows(data)
+    split, replica_rows = strategy.placement.place_rows(data)
     assert replica_rows == -(-70 // devices)
     for array, rows in zip(split, data, strict=True):  # Padded with zeros.
         assert array.shape == (replica_rows * devices, *rows.shape[1:])
@@ -80,7 +84,9 @@ def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
     order = np.random.RandomState(devices).permutation(70).astype(np.int32)
     full = order[:64].reshape(4, 16)  # 4 batches of 16; then 6 rows, padded.
     partial = np.concatenate([order[64:], np.full(2, -1, np.int32)])[None]
-    blocks, last = strategy.exchange_rows(split, replica_rows, [full, partial])
+    blocks, last = strategy.placement.exchange_rows(
+        split, replica_rows, [full, partial]
+    )
     for block, rows in zip(blocks, data, strict=True):
         np.testing.assert_array_equal(block, rows[full])
         for shard in block.addressable_shards:  # Its rows of every batch.
@@ -89,9 +95,9 @@ def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
         np.testing.assert_array_equal(block[0, :6], rows[order[64:]])
         assert not np.asarray(block[0, 6:]).any()  # Padding: zero rows.
     # A step takes its block, laid out as `shard` lays out a batch.
-    step = strategy.step_numbers(3)[2]
-    taken = strategy.take_rows(blocks, step, blocked=True)
-    laid_out = strategy.shard(data[0][full[2]])
+    step = strategy.placement.step_numbers(3)[2]
+    taken = strategy.placement.take_rows(blocks, step, blocked=True)
+    laid_out = strategy.placement.shard(data[0][full[2]])
     np.testing.assert_array_equal(taken[0], laid_out)
     assert taken[0].sharding.is_equivalent_to(laid_out.sharding, 2)
 
@@ -130,7 +136,7 @@ def test_the_passes_of_a_fit_share_one_exchange_program():
 def test_rounds_lay_out_the_same_batches_as_one(monkeypatch):
     strategy = mirrored(2)
     rows = np.arange(3000 * 2, dtype=np.float32).reshape(3000, 2) + 1
-    split, replica_rows = strategy.place_rows([rows])
+    split, replica_rows = strategy.placement.place_rows([rows])
     order = np.random.RandomState(0).permutation(3000).astype(np.int32)
     full = order[:2944].reshape(23, 128)
     partial = np.concatenate([order[2944:], np.full(8, -1, np.int32)])[None]
@@ -142,7 +148,7 @@ def test_rounds_lay_out_the_same_batches_as_one(monkeypatch):
     results = []
     for round_bytes in (2**30, 256 * 8):  # One round; rounds of 256 rows.
         monkeypatch.setattr(_resident_placement, "_ROUND_BYTES", round_bytes)
-        results.append(strategy.exchange_rows(split, replica_rows, groups))
+        results.append(strategy.placement.exchange_rows(split, replica_rows, groups))
     for blocks, last in results:
         np.testing.assert_array_equal(blocks[0], rows[full])
         np.testing.assert_array_equal(last[0][0, :56], rows[order[2944:]])
@@ -151,9 +157,9 @@ def test_rounds_lay_out_the_same_batches_as_one(monkeypatch):
 
 def test_split_rows_need_a_pass_read_ahead():
     strategy = mirrored(8)
-    data = lay_out_resident(strategy, (X, Y), ROWS)
+    data = lay_out_resident(strategy.placement, (X, Y), ROWS)
     with pytest.raises(RuntimeError, match="needs each pass read ahead"):
-        ResidentPass(strategy, data, iter([np.arange(8)]), call=None)
+        ResidentPass(strategy.placement, data, iter([np.arange(8)]), call=None)
 
 
 class _Layouts:
@@ -161,8 +167,9 @@ class _Layouts:
 
     def __init__(self, strategy):
         self.copies, self.blocks, self.splits = [], [], []
-        place_dataset, place_blocks = strategy.place_dataset, strategy.place_blocks
-        place_rows = strategy.place_rows
+        target = strategy.placement  # What the input pipeline lays out with.
+        place_dataset, place_blocks = target.place_dataset, target.place_blocks
+        place_rows = target.place_rows
 
         def copied(data):
             self.copies.append(place_dataset(data))
@@ -176,8 +183,8 @@ class _Layouts:
             self.splits.append(place_rows(data))
             return self.splits[-1]
 
-        strategy.place_dataset, strategy.place_blocks = copied, blocked
-        strategy.place_rows = split
+        target.place_dataset, target.place_blocks = copied, blocked
+        target.place_rows = split
 
     def rows_on_first_device(self, placed) -> int:
         device = jax.devices()[0]
@@ -304,12 +311,14 @@ def test_a_shuffled_pass_over_blocks_is_refused_not_misread():
     # `resident_pass` lays blocks out only for passes in order; a pass that
     # is not must fail loudly, never read the wrong rows.
     strategy = mirrored(8)
-    data = lay_out_resident(strategy, (X, Y), BLOCKS, block_rows=8)
+    data = lay_out_resident(strategy.placement, (X, Y), BLOCKS, block_rows=8)
     order = np.random.RandomState(0).permutation(37)
     batches = [order[i : i + 8] for i in range(0, 37, 8)]
-    shuffled = ResidentPass(strategy, data, iter(batches), call=None, read_ahead=True)
+    shuffled = ResidentPass(
+        strategy.placement, data, iter(batches), call=None, read_ahead=True
+    )
     with pytest.raises(RuntimeError, match="batches of 8 rows out of order"):
         next(shuffled)
-    tail = ResidentPass(strategy, data, iter([np.arange(30, 37)]), call=None)
+    tail = ResidentPass(strategy.placement, data, iter([np.arange(30, 37)]), call=None)
     with pytest.raises(RuntimeError, match="reads rows before row 32"):
         next(tail)

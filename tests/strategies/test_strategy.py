@@ -120,7 +120,7 @@ def test_fit_input_is_sharded_over_the_batch_axis(n):
 def test_batches_become_global_arrays_split_over_replicas(n):
     strategy = mirrored(n)
     x, y, sw = make_data(32)
-    x_dev, y_dev, sw_dev = keras_batch(strategy, (x, y, sw))
+    x_dev, y_dev, sw_dev = keras_batch(strategy.placement, (x, y, sw))
     for host, dev in ((x, x_dev), (y, y_dev), (sw, sw_dev)):
         assert dev.shape == host.shape
         assert {s.data.shape[0] for s in dev.addressable_shards} == {32 // n}
@@ -144,3 +144,18 @@ def test_fit_compiles_its_train_step_once(make, caplog):
         model.fit(x, y, batch_size=10, epochs=3, verbose=0)
     compiled = [r for r in caplog.records if "Compiling jit(train_step)" in r.message]
     assert len(compiled) == 1
+
+
+def test_input_machinery_moved_to_the_placement_with_a_deprecation():
+    strategy = kd.MirroredStrategy()
+    rows = np.arange(16, dtype=np.float32).reshape(8, 2)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"`strategy.shard` is input machinery and moved to "
+        r"`strategy.placement.shard`",
+    ):
+        laid_out = strategy.shard(rows)
+    np.testing.assert_array_equal(np.asarray(laid_out), rows)
+    assert laid_out.sharding == strategy.placement.shard(rows).sharding
+    assert strategy.placement.num_replicas_in_sync == 8
+    assert strategy.placement.input_options is strategy.input_options

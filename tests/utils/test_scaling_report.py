@@ -103,9 +103,9 @@ def test_a_fused_group_counts_its_batches():
     x, y, _ = make_data(64)
     strategy = mirrored(8)
     state = _call.CallState(method="fit", strategy=strategy)
-    resident = lay_out_resident(strategy, (x, y))
+    resident = lay_out_resident(strategy.placement, (x, y))
     batches = (slice(i, i + 8) for i in range(0, 64, 8))
-    input_pass = ResidentPass(strategy, resident, batches, call=state)
+    input_pass = ResidentPass(strategy.placement, resident, batches, call=state)
     input_pass.next_group(4)  # The pass's first: its time is kept apart.
     input_pass.next_group(4)
     stats = state.input_stats
