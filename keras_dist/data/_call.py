@@ -26,10 +26,87 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_dist.data._input_stats import InputStats
-from keras_dist.data._step_stats import StepStats
+__all__ = ["CallState", "InputStats", "ResumePlan", "StepStats", "active", "enter"]
 
-__all__ = ["CallState", "ResumePlan", "active", "enter"]
+
+@dataclasses.dataclass
+class InputStats:
+    """Batches produced and host seconds spent on them (read, pad, shard).
+
+    Filled by the `fit`/`evaluate`/`predict` input path of a strategy
+    (`_pipeline.InputPass`, `_resident.ResidentPass`). Two clocks:
+
+    - producing (`batches`, `seconds`): the work of making a batch, on
+      whichever thread does it (a prefetch thread overlaps it with the
+      steps); the first batch of each pass is kept apart (it includes
+      starting the pass);
+    - waiting (`taken`, `waited`): the time the step loop spent in `next()`
+      for each batch it took, on its own thread: the input's share of the
+      step time (`ScalingReport`'s breakdown).
+
+    Attributes:
+        batches: batches produced, after each pass's first.
+        seconds: host seconds producing them.
+        first_seconds: host seconds producing the first batch of each pass.
+        taken: batches the step loop took (all of them).
+        waited: host seconds the step loop waited for them.
+    """
+
+    batches: int = 0
+    seconds: float = 0.0
+    first_seconds: float = 0.0
+    taken: int = 0
+    waited: float = 0.0
+
+    def record(self, seconds: float, first: bool, batches: int = 1) -> None:
+        """`batches` batches were produced in `seconds` (a pass's first: apart)."""
+        if first:
+            self.first_seconds += seconds
+        else:
+            self.batches += batches
+            self.seconds += seconds
+
+    def record_wait(self, seconds: float, batches: int = 1) -> None:
+        """The step loop waited `seconds` for its next `batches` batches."""
+        self.taken += batches
+        self.waited += seconds
+
+    def reset(self) -> None:
+        self.batches, self.seconds, self.first_seconds = 0, 0.0, 0.0
+        self.taken, self.waited = 0, 0.0
+
+    @property
+    def seconds_per_batch(self) -> float | None:
+        return self.seconds / self.batches if self.batches else None
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Steps run, programs dispatched for them, and the host time of the calls.
+
+    Filled by the one step wrapper (`training/_step.py`) around each call of
+    a step program: one step, or the N steps of a fused
+    `steps_per_execution` group (`training/_fused_steps.py`). The time is
+    the host's, in the call: Keras's step wrapper and JAX's dispatch, which
+    returns before the devices finish (JAX runs asynchronously) — and, when
+    the devices are behind by several steps, waits for them. Nothing waits
+    for a result to measure it.
+
+    Attributes:
+        steps: steps run.
+        dispatches: programs called for them (`steps` / N with fused groups).
+        seconds: host seconds inside those calls.
+    """
+
+    steps: int = 0
+    dispatches: int = 0
+    seconds: float = 0.0
+
+    def record(self, seconds: float, steps: int = 1) -> None:
+        """One program of `steps` steps was called, for `seconds` of host time."""
+        self.steps += steps
+        self.dispatches += 1
+        self.seconds += seconds
 
 
 @dataclasses.dataclass(frozen=True)
