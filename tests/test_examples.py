@@ -231,3 +231,31 @@ def test_benchmark_names_what_a_crashed_run_said(tmp_path, monkeypatch):
     worker.write_text("raise SystemExit('no RESULT line')\n")
     row = run_worker(worker, [], timeout=60, platform_name="cpu", ident={})
     assert row == {"error": "no RESULT line"}
+
+
+def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
+    out = _run(
+        [
+            "benchmarks/batch_path.py",
+            "--steps",
+            "8",
+            "--paths",
+            "numpy,tf.data",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    record = json.loads((tmp_path / "batch_path.json").read_text())
+    by_path = {r["path"]: r for r in record["results"]}
+    assert sorted(by_path) == ["numpy", "tf.data"]
+    for path, result in by_path.items():
+        # Every step goes through the one step wrapper, once.
+        assert result["files"]["keras_dist/training/_step.py"] == 8 * 2, path
+        assert result["file_count"] == len(result["files"])
+        assert result["calls_per_batch"] > 0
+        assert f"{path}: {result['file_count']} keras_dist files" in out
+    # The host path reads, pads and lays out each batch; the resident one not.
+    assert "keras_dist/data/_pipeline.py" in by_path["tf.data"]["files"]
+    assert "keras_dist/data/_pipeline.py" not in by_path["numpy"]["files"]
+    with pytest.raises(AssertionError, match="--paths must name"):
+        _run(["benchmarks/batch_path.py", "--paths", "parquet"])
