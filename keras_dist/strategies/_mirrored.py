@@ -6,7 +6,7 @@ import jax
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._devices import resolve_devices
-from keras_dist.strategies._state_layout import sharded_state
+from keras_dist.strategies._state_layout import sharded_option, sharded_state
 
 __all__ = ["MirroredStrategy"]
 
@@ -70,12 +70,10 @@ class MirroredStrategy(Strategy):
             resolve_devices(devices, argument="devices"), state_layout=state
         )
 
-    @property
-    def shard_variables(self) -> bool:
-        """Whether variables are split over the devices (FSDP)."""
-        return self.state_layout.shard_variables
-
-    @property
-    def shard_optimizer_state(self) -> bool:
-        """Whether optimizer slots are split over the devices (ZeRO-1)."""
-        return self.state_layout.shard_optimizer_state
+    shard_variables = sharded_option(
+        "shard_variables", "Whether variables are split over the devices (FSDP)."
+    )
+    shard_optimizer_state = sharded_option(
+        "shard_optimizer_state",
+        "Whether optimizer slots are split over the devices (ZeRO-1).",
+    )

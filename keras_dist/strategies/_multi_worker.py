@@ -7,7 +7,7 @@ import jax
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._join import global_devices, join_cluster
-from keras_dist.strategies._state_layout import sharded_state
+from keras_dist.strategies._state_layout import sharded_option, sharded_state
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -126,15 +126,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
         super().__init__(global_devices(), state_layout=state)
 
-    @property
-    def shard_variables(self) -> bool:
-        """Whether variables are split over the devices (FSDP)."""
-        return self.state_layout.shard_variables
-
-    @property
-    def shard_optimizer_state(self) -> bool:
-        """Whether optimizer slots are split over the devices (ZeRO-1)."""
-        return self.state_layout.shard_optimizer_state
+    shard_variables = sharded_option(
+        "shard_variables", "Whether variables are split over the devices (FSDP)."
+    )
+    shard_optimizer_state = sharded_option(
+        "shard_optimizer_state",
+        "Whether optimizer slots are split over the devices (ZeRO-1).",
+    )
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

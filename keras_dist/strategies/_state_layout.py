@@ -34,6 +34,7 @@ __all__ = [
     "PartitionedStateLayout",
     "ShardedStateLayout",
     "StateLayout",
+    "sharded_option",
     "sharded_state",
 ]
 
@@ -131,6 +132,11 @@ def sharded_state(
         )
 
     return make
+
+
+def sharded_option(name: str, doc: str) -> property:
+    """A strategy's read-only view of one option of its `ShardedStateLayout`."""
+    return property(lambda strategy: getattr(strategy.state_layout, name), doc=doc)
 
 
 class ShardedStateLayout(StateLayout):
