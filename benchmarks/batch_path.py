@@ -12,8 +12,10 @@ During the second epoch (steady state: every program compiled) a
 into a keras_dist file, on every thread (the prefetch thread included).
 Prints, per path: the keras_dist files that ran code, the calls per batch,
 and the order of layers one steady-state batch crosses (DESIGN.md's layers:
-seams, callbacks, training, strategies, input, cluster), with the number of
-reversals (the batch going back into a layer it had left). Writes
+seams, callbacks, training, strategies, input, cluster) on the step loop's
+thread, with the number of reversals (the batch going back into a layer it
+had left); and, apart, what the thread producing batches ahead did in the
+same window (indicative: it depends on when that thread ran). Writes
 `--out/batch_path.json`.
 
     python benchmarks/batch_path.py
@@ -139,10 +141,17 @@ def measure(path: str, steps: int) -> dict:
     # One steady-state batch: the calls from one dispatch of the compiled
     # step (the seams' `timed`) to the next, read as the sequence of layers
     # (consecutive repeats collapsed).
-    starts = [i for i, (_, _, f) in enumerate(recorder.calls) if f == _STEP_CALL]
+    main = threading.main_thread().ident
+    starts = [
+        i
+        for i, (thread, _, f) in enumerate(recorder.calls)
+        if f == _STEP_CALL and thread == main
+    ]
     window = recorder.calls[starts[1] : starts[2]] if len(starts) > 2 else []
-    layers = [_layer(name) for _, name, _ in window]
-    sequence = [g for i, g in enumerate(layers) if i == 0 or layers[i - 1] != g]
+    # The step loop's thread, and the others (a prefetch thread producing
+    # batches ahead): each its own sequence.
+    sequence = _collapsed([name for t, name, _ in window if t == main])
+    producer = _collapsed([name for t, name, _ in window if t != main])
     return {
         "path": path,
         "steps": steps,
@@ -150,8 +159,17 @@ def measure(path: str, steps: int) -> dict:
         "file_count": len(files),
         "calls_per_batch": round(len(recorder.calls) / steps, 1),
         "layer_sequence_of_one_batch": sequence,
+        "producer_sequence_of_one_batch": producer,
         "reversals": _reversals(sequence),
+        # The producer's window depends on when its thread ran: indicative.
+        "producer_reversals": _reversals(producer),
     }
+
+
+def _collapsed(files: list[str]) -> list[str]:
+    """The layers of `files`, consecutive repeats collapsed."""
+    layers = [_layer(name) for name in files]
+    return [g for i, g in enumerate(layers) if i == 0 or layers[i - 1] != g]
 
 
 def _reversals(sequence: list[str]) -> int:
@@ -181,6 +199,9 @@ def main(argv=None) -> int:
         for name, count in result["files"].items():
             print(f"  {count / result['steps']:7.1f} calls/batch  {name}")
         print("  one batch: " + " -> ".join(result["layer_sequence_of_one_batch"]))
+        if result["producer_sequence_of_one_batch"]:
+            producer = result["producer_sequence_of_one_batch"]
+            print("  its producer thread meanwhile: " + " -> ".join(producer))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {

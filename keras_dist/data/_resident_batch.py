@@ -24,6 +24,7 @@ a tuple (`keras_form`: a `ResidentTuple` of `ResidentElement`s), so that
 Keras unpacks it as it unpacks the batch.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,12 @@ import optree
 
 from keras_dist.data._partial_batch import as_padded_batch, unpad
 
-__all__ = ["ResidentBatch", "ResidentTuple", "gathered", "keras_form"]
+__all__ = [
+    "ResidentBatch",
+    "ResidentTuple",
+    "gathered",
+    "keras_form",
+]
 
 
 class ResidentBatch:
@@ -138,18 +144,23 @@ class ResidentTuple(tuple):
         return self[0].batch
 
 
-def _is_tuple(treedef) -> bool:
+@functools.cache
+def _tuple_size(treedef) -> int | None:
+    """The length of a batch of structure `treedef` if it is a tuple, else None."""
     kind = treedef.node_data()
-    return kind is not None and kind[0] is tuple
+    return len(treedef.children()) if kind is not None and kind[0] is tuple else None
+
+
+def _is_tuple(treedef) -> bool:
+    return _tuple_size(treedef) is not None
 
 
 def keras_form(batch: ResidentBatch) -> Any:
     """`batch` as Keras's loop gets it: a `ResidentTuple` if the batch is a tuple."""
-    if not _is_tuple(batch.treedef):
+    size = _tuple_size(batch.treedef)
+    if size is None:
         return batch
-    return ResidentTuple(
-        ResidentElement(batch, i) for i in range(len(batch.treedef.children()))
-    )
+    return ResidentTuple([ResidentElement(batch, i) for i in range(size)])
 
 
 jax.tree_util.register_pytree_node(

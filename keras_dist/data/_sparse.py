@@ -73,11 +73,17 @@ def is_sparse(leaf: Any) -> bool:
         `tf.SparseTensor`s (which reach a batch only when the user hands them
         over directly, e.g. to `train_on_batch`).
     """
+    if isinstance(leaf, _DENSE):  # Most leaves of most batches: one test.
+        return False
     return (
         isinstance(leaf, jax_sparse.JAXSparse)
         or _is_scipy_sparse(leaf)
         or _is_tf_sparse(leaf)
     )
+
+
+# Arrays no sparse type derives from (a `BCOO` is not a `jax.Array`).
+_DENSE = (np.ndarray, jax.Array)
 
 
 def is_leaf(x: Any) -> bool:
@@ -87,7 +93,7 @@ def is_leaf(x: Any) -> bool:
         `jax.tree.leaves(batch, is_leaf=is_leaf)` lists a `BCOO` as itself,
         not as its `data` and `indices` children.
     """
-    return is_sparse(x)
+    return not isinstance(x, _DENSE) and is_sparse(x)
 
 
 def to_bcoo(leaf: Any) -> jax_sparse.BCOO:

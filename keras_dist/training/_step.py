@@ -34,7 +34,7 @@ import jax
 
 from keras_dist.data import _call, _partial_batch
 from keras_dist.data._replica_rows import layout_of, replica_rows
-from keras_dist.data._resident_batch import gathered
+from keras_dist.data._resident_batch import ResidentTuple, gathered
 from keras_dist.strategies._base import Strategy
 
 __all__ = ["StepProgram", "timed"]
@@ -91,6 +91,10 @@ class StepProgram:
         )
 
     def __call__(self, *args, **kwargs):
+        # A `ResidentTuple` (what Keras's loop unpacks) goes in as the
+        # `ResidentBatch` it stands for: JAX flattens that without Python.
+        if args and type(args[-1]) is ResidentTuple:
+            args = (*args[:-1], args[-1][0].batch)
         return self._call(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
