@@ -21,9 +21,11 @@ things a small model pays for and that change nothing:
 With no keras_dist strategy current, both behave exactly as Keras's.
 """
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import keras
 from keras.src.backend.config import is_nnx_enabled
 from keras.src.utils.python_utils import is_default
 
@@ -59,15 +61,26 @@ def _layer_setattr(original: Callable) -> Callable:
     return __setattr__
 
 
+# CallbackList -> {hook name: (what the decision was made for, skip?)}: a
+# list's callbacks are asked once a call, not at every step.
+_DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _batch_hook(name: str) -> Callable[[Callable], Callable]:
     """A wrapper for `CallbackList.<name>` that skips it when it does nothing."""
     hooks = BATCH_HOOKS[name]
 
     def wrap(original: Callable) -> Callable:
         def hook(self, batch, logs=None):
-            if current_strategy() is not None and not any(
-                _overrides(callback, hooks) for callback in self.callbacks
-            ):
+            key = (keras.distribution.distribution(), tuple(map(id, self.callbacks)))
+            decisions = _DECISIONS.setdefault(self, {})
+            known = decisions.get(name)
+            if known is None or known[0] != key:
+                skip = current_strategy() is not None and not any(
+                    _overrides(callback, hooks) for callback in self.callbacks
+                )
+                known = decisions[name] = (key, skip)
+            if known[1]:
                 return None
             return original(self, batch, logs)
 
