@@ -34,7 +34,7 @@ from keras_dist.data._pipeline import InputPass, keras_batch
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
 from keras_dist.training._fused_steps import FusedSteps
-from keras_dist.training._step import StepProgram, timed
+from keras_dist.training._step import StepProgram, TimedStep
 
 __all__ = [
     "_distribute_data",
@@ -72,7 +72,7 @@ def _jit(fun: Callable, *args, **kwargs):
     if kwargs.get("donate_argnums") != 0:
         return _originals["jit"](fun, *args, **kwargs)
     if strategy is None:  # Plain Keras: only timed (`ScalingReport`).
-        return timed(_originals["jit"](fun, *args, **kwargs))
+        return TimedStep(_originals["jit"](fun, *args, **kwargs))
     return StepProgram(
         fun,
         strategy,
@@ -91,8 +91,8 @@ def _make_function(self, step_function, concatenate_outputs=False):
     """
     strategy = current_strategy()
     if strategy is None:
-        if not getattr(step_function, "_keras_dist_timed", False):
-            step_function = timed(step_function)  # Plain Keras's eager step.
+        if not isinstance(step_function, TimedStep):
+            step_function = TimedStep(step_function)  # Plain Keras's eager step.
     elif not isinstance(step_function, StepProgram):
         step_function = StepProgram(
             step_function, strategy, predict=concatenate_outputs, jit=None

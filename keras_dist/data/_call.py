@@ -173,7 +173,10 @@ class CallState:
 
     def on_close(self, closer: Callable[[], None]) -> None:
         """Runs `closer()` when the outermost call ends (normally or not)."""
-        self.root._closers.append(closer)
+        if self.parent is not None:
+            self.root.on_close(closer)
+        else:
+            self._closers.append(closer)
 
     def observe_batch_size(self, size: int | None) -> None:
         if size is not None:
@@ -185,7 +188,8 @@ class CallState:
         plan, self.resume = self.resume, None
         return plan
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Runs the closers registered with `on_close`, newest first."""
         while self._closers:
             closer = self._closers.pop()
             try:
@@ -223,4 +227,4 @@ def enter(method: str, strategy: Any, *, initial_epoch: int = 0) -> Iterator[Cal
     finally:
         _STACK.remove(state)
         if parent is None:
-            state._close()
+            state.close()

@@ -229,7 +229,7 @@ class Strategy(keras.distribution.DataParallel):
         Raises:
             TypeError: if `fn` returns something that is not an array.
         """
-        return _run.run(self, fn, args, kwargs)
+        return _run.run(self, fn, args, kwargs, cache=self._run_cache)
 
     def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None):
         """Combines the replicas' values into one (outside `run`).

@@ -59,8 +59,14 @@ class _Kind(enum.Enum):
 
 
 def run(
-    strategy: "Strategy", fn: Callable, args: tuple = (), kwargs: dict | None = None
+    strategy: "Strategy",
+    fn: Callable,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    cache: dict,
 ) -> Any:
+    """`strategy.run`; `cache` keeps the strategy's compiled programs."""
     if not callable(fn):
         raise TypeError(f"`fn` must be callable. Received: fn={fn!r}.")
     if not isinstance(args, (tuple, list)):
@@ -79,10 +85,10 @@ def run(
         batch,
         tuple((v.shape, v.dtype) for v in values),
     )
-    compiled = strategy._run_cache.get(key)
+    compiled = cache.get(key)
     if compiled is None:
         compiled = _compile(strategy, fn, treedef, kinds, statics, batch, values)
-        strategy._run_cache[key] = compiled
+        cache[key] = compiled
     outputs = compiled(values)
     strategy.pacer.after(outputs)
     return outputs

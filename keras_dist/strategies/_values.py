@@ -78,6 +78,16 @@ class PerReplica:
         self._mesh = None if strategy is None else strategy.mesh
 
     @property
+    def strategy(self) -> Any:
+        """The strategy whose `run` made the value (None: not known)."""
+        return self._strategy
+
+    @property
+    def mesh(self) -> "jax.sharding.Mesh | None":
+        """The mesh of that strategy (None: not known)."""
+        return self._mesh
+
+    @property
     def num_replicas(self) -> int:
         return int(self.stacked.shape[0])
 
@@ -140,7 +150,7 @@ def foreign_mesh(strategy: "Strategy", leaf: Any) -> "jax.sharding.Mesh | None":
     dataset). Strategies on the same devices (equal meshes) count as one.
     """
     if isinstance(leaf, PerReplica):
-        mesh = leaf._mesh
+        mesh = leaf.mesh
         own = strategy.mesh
         if mesh is None or mesh is own or mesh == own:
             return None
@@ -178,7 +188,7 @@ def other_strategy_error(
     strategy: "Strategy", leaf: Any, mesh, *, call: str, argument: str, fix: str
 ) -> ValueError:
     """The error for `leaf` (at `argument`), split over `mesh`, given to `call`."""
-    other = leaf._strategy if isinstance(leaf, PerReplica) else None
+    other = leaf.strategy if isinstance(leaf, PerReplica) else None
     if other is None:
         # Several live strategies can share one mesh (jax interns equal
         # meshes): name the newest, the one that most likely split `leaf`.

@@ -37,7 +37,7 @@ from keras_dist.data._replica_rows import layout_of, replica_rows
 from keras_dist.data._resident_batch import ResidentTuple, gathered
 from keras_dist.strategies._base import Strategy
 
-__all__ = ["StepProgram", "timed"]
+__all__ = ["StepProgram", "TimedStep"]
 
 
 class StepProgram:
@@ -166,14 +166,22 @@ def _unchanged_as_stored(new_state, moved, stored):
     return jax.tree.map(lambda x: back.get(id(x), x), new_state)
 
 
-def timed(program: Callable) -> Callable:
-    """A step of plain Keras (no strategy): counted in the call's `StepStats`.
+class TimedStep:
+    """A step of plain Keras (no strategy), counted in the call's `StepStats`.
 
     So `kd.utils.ScalingReport` reads dispatch times without a strategy too.
     """
-    program = _timed(program, steps=1, pacer=None)
-    program._keras_dist_timed = True
-    return program
+
+    def __init__(self, program: Callable):
+        self._program = program
+        self._call = _timed(program, steps=1, pacer=None)
+        functools.update_wrapper(self, program)
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._program, name)
 
 
 def _timed(program: Callable, *, steps: int, pacer) -> Callable:
