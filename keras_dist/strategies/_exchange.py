@@ -15,9 +15,8 @@ destination (`send`); an `all_to_all` delivers them; each replica puts the
 rows it received in its order (`receive`). Each row moves once. A large
 pass goes in rounds, each laying out a part of each replica's rows, so that
 what is in flight stays bounded (`round_rows`). The plan (which row goes
-where) is made on the host from the pass's index batches (`plan_exchange`):
-about a millisecond a pass of 16k rows, and two int32 tables of about one
-entry a row to transfer.
+where) is made on the host from the pass's index batches (`plan_exchange`),
+and two int32 tables of about one entry a row are transferred.
 
 On CPU devices the exchange costs more than the copy's gathers it replaces
 (the tiny benchmark model, 51 MB of data on 8 virtual devices: 20-35 ms

@@ -207,7 +207,7 @@ def _place(array, sharding: NamedSharding) -> jax.Array:
     On the critical path of each step. A NumPy array goes through
     `make_array_from_callback`: the transfer `device_put` ends in
     (`batched_device_put` of the same slices, dtypes made canonical alike)
-    with less Python around it — about a third less host time a batch.
+    with less Python around it.
     """
     if isinstance(array, np.ndarray):
         return jax.make_array_from_callback(array.shape, sharding, array.__getitem__)

@@ -8,8 +8,8 @@ is the rows named by an index vector; replica `r` receives its share of the
 vector (a few bytes a row) and takes its rows from its own copy: batch rows
 `r * b ... (r + 1) * b - 1`, the layout of `shard`, with no communication
 between devices. An index of -1 gives a row of zeros: the padding of a
-partial batch. On CPU devices the benchmark's tiny model took 1.26x as long
-a step shuffled, gathering, as in order (BS/B, `benchmarks/README.md`).
+partial batch. On CPU devices a shuffled step, gathering, is slower than
+one in order (BS against B in `benchmarks/README.md`).
 
 A dataset read only in its own order (`evaluate`, `predict`, the validation
 data, `fit(shuffle=False)`) is not copied to every device: its full batches
