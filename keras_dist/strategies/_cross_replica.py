@@ -9,12 +9,13 @@ replicas, as the replicas would). All three accept pytrees, and refuse a
 """
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from keras_dist.data._partial_batch import num_real_of, take_real
+from keras_dist.strategies._parts import StrategyParts
 from keras_dist.strategies._replica_context import in_replica_context
 from keras_dist.strategies._values import (
     PerReplica,
@@ -25,9 +26,6 @@ from keras_dist.strategies._values import (
     other_strategy_error,
     real_rows,
 )
-
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
 
 __all__ = ["experimental_local_results", "gather", "reduce"]
 
@@ -42,7 +40,7 @@ def _cross_replica_only(name: str) -> None:
         )
 
 
-def _check_same_strategy(strategy: "Strategy", leaf, name: str, value: Any) -> None:
+def _check_same_strategy(strategy: StrategyParts, leaf, name: str, value: Any) -> None:
     """Refuses a `PerReplica` or batch split over another strategy's mesh."""
     mesh = foreign_mesh(strategy, leaf)
     if mesh is None:
@@ -69,7 +67,7 @@ def _check_same_strategy(strategy: "Strategy", leaf, name: str, value: Any) -> N
     )
 
 
-def _as_per_replica(strategy: "Strategy", leaf) -> PerReplica | None:
+def _as_per_replica(strategy: StrategyParts, leaf) -> PerReplica | None:
     if isinstance(leaf, PerReplica):
         return leaf
     if isinstance(leaf, jax.Array) and strategy.placement.is_batch_sharded(leaf):
@@ -102,7 +100,7 @@ def _concat(value: PerReplica, axis: int) -> jax.Array:
     return merged
 
 
-def gather(strategy: "Strategy", value: Any, axis: int) -> Any:
+def gather(strategy: StrategyParts, value: Any, axis: int) -> Any:
     _cross_replica_only("gather")
 
     def one(leaf):
@@ -118,7 +116,7 @@ def gather(strategy: "Strategy", value: Any, axis: int) -> Any:
     return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
 
 
-def _everywhere(strategy: "Strategy", result: Any) -> Any:
+def _everywhere(strategy: StrategyParts, result: Any) -> Any:
     """With several processes: the whole result on every process (replicated)."""
     if not strategy.spans_processes:
         return result
@@ -131,7 +129,9 @@ def _copy_to(sharding):
     return jax.jit(lambda tree: tree, out_shardings=sharding)
 
 
-def reduce(strategy: "Strategy", reduce_op, value: Any, axis: int | None = None) -> Any:
+def reduce(
+    strategy: StrategyParts, reduce_op, value: Any, axis: int | None = None
+) -> Any:
     op = ReduceOp.parse(reduce_op)
     _cross_replica_only("reduce")
     replicas = strategy.num_replicas_in_sync
@@ -155,7 +155,7 @@ def reduce(strategy: "Strategy", reduce_op, value: Any, axis: int | None = None)
     return _everywhere(strategy, jax.tree.map(one, value, is_leaf=is_per_replica))
 
 
-def experimental_local_results(strategy: "Strategy", value: Any) -> tuple:
+def experimental_local_results(strategy: StrategyParts, value: Any) -> tuple:
     """A tuple of the value of each replica of this process (pytrees too)."""
     _cross_replica_only("experimental_local_results")
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
@@ -176,7 +176,7 @@ def experimental_local_results(strategy: "Strategy", value: Any) -> tuple:
     )
 
 
-def _local_values(strategy: "Strategy", leaf, local: list[int]) -> list:
+def _local_values(strategy: StrategyParts, leaf, local: list[int]) -> list:
     if isinstance(leaf, jax.Array) and strategy.placement.is_batch_sharded(leaf):
         shards = {s.device: s.data for s in leaf.addressable_shards}
         b = leaf.shape[0] // strategy.num_replicas_in_sync

@@ -1,14 +1,11 @@
 """`MemoryReport`: how many bytes of a model each device holds, and why."""
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from keras_dist.strategies._parts import StrategyParts
 from keras_dist.strategies._placement import BATCH_AXIS
-
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
 
@@ -116,7 +113,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(strategy: "Strategy", model) -> MemoryReport:
+def memory_report(strategy: StrategyParts, model) -> MemoryReport:
     """Reads the layout and the device buffers of every variable of `model`."""
     weights = list(model.trainable_variables) + list(model.non_trainable_variables)
     optimizer = getattr(model, "optimizer", None)
@@ -142,7 +139,7 @@ def memory_report(strategy: "Strategy", model) -> MemoryReport:
 
 
 def _describe(
-    strategy: "Strategy", variable, kind: str, per_device: dict
+    strategy: StrategyParts, variable, kind: str, per_device: dict
 ) -> VariableMemory:
     """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
     value = variable.value

@@ -1,10 +1,9 @@
 """Which strategy a variable, or a model, belongs to."""
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
+from keras_dist.strategies._parts import StrategyParts
 
 __all__ = [
     "is_strategy",
@@ -18,7 +17,7 @@ __all__ = [
 _STRATEGY_OF_MESH: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-def register(strategy: "Strategy") -> None:
+def register(strategy: StrategyParts) -> None:
     _STRATEGY_OF_MESH[strategy.device_mesh] = strategy
 
 

@@ -4,7 +4,7 @@ import contextlib
 import contextvars
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +12,8 @@ import keras
 
 from keras_dist.data._partial_batch import real_mask, total_real
 from keras_dist.strategies import _ownership
+from keras_dist.strategies._parts import StrategyParts
 from keras_dist.strategies._values import ReduceOp
-
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
 
 __all__ = ["ReplicaContext", "get_replica_context"]
 
@@ -38,7 +36,9 @@ class ReplicaContext:
         num_real: real rows of the global batch when it was padded, else None.
     """
 
-    def __init__(self, strategy: "Strategy", *, per_replica_batch=None, num_real=None):
+    def __init__(
+        self, strategy: StrategyParts, *, per_replica_batch=None, num_real=None
+    ):
         self.strategy = strategy
         self.per_replica_batch = per_replica_batch
         self.num_real = num_real

@@ -24,13 +24,14 @@ mirrored values.
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data._partial_batch import num_real_of
+from keras_dist.strategies._parts import StrategyParts
 from keras_dist.strategies._replica_context import (
     AXIS,
     ReplicaContext,
@@ -45,9 +46,6 @@ from keras_dist.strategies._values import (
     other_strategy_error,
 )
 
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
-
 __all__ = ["run"]
 
 
@@ -59,7 +57,7 @@ class _Kind(enum.Enum):
 
 
 def run(
-    strategy: "Strategy",
+    strategy: StrategyParts,
     fn: Callable,
     args: tuple = (),
     kwargs: dict | None = None,
@@ -94,7 +92,7 @@ def run(
     return outputs
 
 
-def _classify(strategy: "Strategy", leaves, tree):
+def _classify(strategy: StrategyParts, leaves, tree):
     kinds, values, statics = [], [], []
     per_replica_batch, num_real = None, None
     replicas = strategy.num_replicas_in_sync
@@ -141,7 +139,7 @@ def _classify(strategy: "Strategy", leaves, tree):
     return kinds, values, statics, (per_replica_batch, num_real)
 
 
-def _split_state(strategy: "Strategy", leaf: jax.Array) -> bool:
+def _split_state(strategy: StrategyParts, leaf: jax.Array) -> bool:
     sharding = leaf.sharding
     return (
         strategy.state_layout.splits_state
@@ -151,7 +149,7 @@ def _split_state(strategy: "Strategy", leaf: jax.Array) -> bool:
     )
 
 
-def _check_same_strategy(strategy: "Strategy", leaf, tree, index: int) -> None:
+def _check_same_strategy(strategy: StrategyParts, leaf, tree, index: int) -> None:
     """Refuses a batch or `PerReplica` split over another strategy's mesh."""
     mesh = foreign_mesh(strategy, leaf)
     if mesh is None:
@@ -183,7 +181,7 @@ def _check_replicas(value: PerReplica, replicas: int) -> None:
         )
 
 
-def _compile(strategy: "Strategy", fn, treedef, kinds, statics, batch, values):
+def _compile(strategy: StrategyParts, fn, treedef, kinds, statics, batch, values):
     per_replica_batch, num_real = batch
     specs = [
         PartitionSpec() if kind is _Kind.REPLICATED else PartitionSpec(AXIS)

@@ -1,7 +1,7 @@
 """Distributed values: `ReduceOp` and `PerReplica`."""
 
 import enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +10,8 @@ from jax.sharding import NamedSharding
 from keras_dist.data._partial_batch import NumReal, real_rows_in
 from keras_dist.strategies import _ownership
 from keras_dist.strategies._devices import device_name
+from keras_dist.strategies._parts import StrategyParts
 from keras_dist.strategies._placement import BATCH_AXIS
-
-if TYPE_CHECKING:  # Imports this module: a cycle at run time.
-    from keras_dist.strategies._base import Strategy
 
 __all__ = ["PerReplica", "ReduceOp"]
 
@@ -141,7 +139,7 @@ def concat_replicas(stacked: jax.Array, axis: int) -> jax.Array:
     return moved.reshape(*shape[:axis], merged, *shape[axis + 2 :])
 
 
-def foreign_mesh(strategy: "Strategy", leaf: Any) -> "jax.sharding.Mesh | None":
+def foreign_mesh(strategy: StrategyParts, leaf: Any) -> "jax.sharding.Mesh | None":
     """The mesh of another strategy that `leaf` is split over, else None.
 
     `leaf` is another strategy's when it is a `PerReplica` made by the `run`
@@ -161,7 +159,7 @@ def foreign_mesh(strategy: "Strategy", leaf: Any) -> "jax.sharding.Mesh | None":
 
 
 def foreign_batch_mesh(
-    strategy: "Strategy", array: jax.Array
+    strategy: StrategyParts, array: jax.Array
 ) -> "jax.sharding.Mesh | None":
     """`foreign_mesh` of a `jax.Array`.
 
@@ -185,7 +183,7 @@ def foreign_batch_mesh(
 
 
 def other_strategy_error(
-    strategy: "Strategy", leaf: Any, mesh, *, call: str, argument: str, fix: str
+    strategy: StrategyParts, leaf: Any, mesh, *, call: str, argument: str, fix: str
 ) -> ValueError:
     """The error for `leaf` (at `argument`), split over `mesh`, given to `call`."""
     other = leaf.strategy if isinstance(leaf, PerReplica) else None

@@ -1,0 +1,55 @@
+"""`StrategyParts`: what the replica API and the memory report read of a strategy.
+
+The modules that implement `Strategy`'s replica API (`_run`, `_cross_replica`,
+`_replica_context`, `_values`), its memory report and its registry are
+imported by `_base.py`, so they cannot import `Strategy`. They take a
+strategy as this declared protocol instead: public members only, each a
+collaborator or a fact about the mesh.
+"""
+
+from typing import Protocol
+
+import jax
+import keras
+
+from keras_dist.strategies._pacing import Pacer
+from keras_dist.strategies._placement import Placement
+from keras_dist.strategies._state_layout import StateLayout
+
+__all__ = ["StrategyParts"]
+
+
+class StrategyParts(Protocol):
+    """A keras_dist strategy, as its own implementation modules see it."""
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The 1-D mesh (axis `"batch"`)."""
+
+    @property
+    def device_mesh(self) -> keras.distribution.DeviceMesh:
+        """The same mesh, as Keras describes it."""
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        """The devices of the mesh, in mesh order."""
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Replicas a global batch is split over."""
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the mesh has devices of several processes."""
+
+    @property
+    def state_layout(self) -> StateLayout:
+        """Where variables and optimizer state live."""
+
+    @property
+    def placement(self) -> Placement:
+        """Where data goes."""
+
+    @property
+    def pacer(self) -> Pacer:
+        """Programs in flight on CPU devices."""
