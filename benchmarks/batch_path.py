@@ -52,7 +52,7 @@ LAYERS = {
     "data": "input",
     "cluster": "cluster",
 }
-_STEP_CALL = "timed"  # `_keras_compat/_input._timed`: one call a step.
+_STEP_CALL = "timed"  # `training/_step._timed`: one call a step.
 
 
 def _parser():

@@ -7,7 +7,7 @@ API cannot express are done here, on Keras's JAX trainer
 (`keras.src.backend.jax.trainer`), checked against the Keras minor releases
 `CHECKED_KERAS` (3.15 and the 3.16 dev build):
 
-1. **Batches** (`_input.py`). Keras turns each host batch into a global
+1. **Batches** (`_loop.py`). Keras turns each host batch into a global
    array with the module function `_distribute_data` (per pass in
    `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
    split evenly over the replicas it raises (keras#21167). While one of its
@@ -20,7 +20,7 @@ API cannot express are done here, on Keras's JAX trainer
    input up to the backed-up step; `steps_per_execution` groups run as one
    program each (`training/_fused_steps.py`). In-memory arrays (`ArrayDataAdapter`)
    may instead be laid out on the mesh once, each step gathered on the
-   devices from the indices of Keras's own batching (`_array_input.py`).
+   devices from the indices of Keras's own batching (`_adapters.py`).
 2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
    `*_on_batch` methods enter the scope of the strategy the model was built
    under when no scope is open (the tf.distribute tutorials call `fit`
@@ -55,7 +55,7 @@ API cannot express are done here, on Keras's JAX trainer
    (`_host_values.py`): `KerasVariable.__array__` (get_weights, saving)
    gathers a value with parts on other processes to every host.
 
-8. **State in host memory** (`_state_memory.py`): under a strategy that
+8. **State in host memory** (`_variables.py`): under a strategy that
    keeps variables outside device memory (`CentralStorageStrategy`), the
    steps move their state to device memory first (`training/_step.py`);
    and `JaxVariable.value`, read to
@@ -99,17 +99,20 @@ from keras_dist._keras_compat._accumulation import (
     _get_current_learning_rate,
     _iterations,
 )
+from keras_dist._keras_compat._adapters import tf_dataset_adapter_init
 from keras_dist._keras_compat._host_values import _array
-from keras_dist._keras_compat._input import (
+from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
+from keras_dist._keras_compat._jax_seams import find as _find
+from keras_dist._keras_compat._loop import (
+    BATCH_HOOKS,
+    _batch_hook,
     _distribute_data,
     _enumerate_iterator,
     _get_distributed_iterator,
     _jit,
+    _layer_setattr,
     _make_function,
 )
-from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
-from keras_dist._keras_compat._jax_seams import find as _find
-from keras_dist._keras_compat._loop import BATCH_HOOKS, _batch_hook, _layer_setattr
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._optimizer import (
     _add_variable_from_reference,
@@ -117,12 +120,11 @@ from keras_dist._keras_compat._optimizer import (
     _stateless_apply,
 )
 from keras_dist._keras_compat._state import originals as _originals
-from keras_dist._keras_compat._state_memory import variable_value
-from keras_dist._keras_compat._tf_dataset import tf_dataset_adapter_init
 from keras_dist._keras_compat._variables import (
     _assign,
     _direct_assign,
     _initialize_with_initializer,
+    variable_value,
 )
 from keras_dist._version import __version__
 

@@ -1,6 +1,25 @@
-"""Keras's per-step loop without the work that has no effect, under a strategy.
+"""Seam 1: Keras's JAX trainer loop — its batches, its steps, its per-step hooks.
 
-At every step, Keras's JAX loops (`fit`, `evaluate`, `predict`) do two
+Thin: the work is in `keras_dist/data/` (`_pipeline.InputPass`, the resume
+replay of `_call.ResumePlan`) and `keras_dist/training/_step.py`. These
+functions only connect Keras's JAX trainer to them:
+
+- `_get_distributed_iterator`: each pass of `fit/evaluate/predict` is an
+  `InputPass` over the data adapter's batches, or, for in-memory arrays the
+  strategy's `input_options` put on the mesh, a `ResidentPass` over the
+  indices of Keras's batches (`_adapters.py`).
+- `_distribute_data`: the single batch of `*_on_batch`.
+- `_jit` and `_make_function`: every step — compiled or eager, one batch or
+  `steps_per_execution` of them — is a `StepProgram`, the one step wrapper
+  (`training/_step.py`: gather a device-resident batch, record its replica
+  rows, cut a padded batch to its real rows, outputs whole on every process,
+  host-memory state moved in; timed and paced). With `steps_per_execution
+  > 1` and a compiled step, `_make_function` runs each group of batches as
+  one program (`training/_fused_steps.py`), compiled as the step is.
+- `_enumerate_iterator`: a resumed `fit` replays its finished epochs and
+  steps through Keras's own epoch iterator before the first real step.
+
+Between two steps, Keras's loops (`fit`, `evaluate`, `predict`) also do two
 things a small model pays for and that change nothing:
 
 1. `self._jax_state = {...}` (the state between steps) goes through
@@ -18,7 +37,8 @@ things a small model pays for and that change nothing:
    when `verbose` is not 0, or an object that is not a Keras `Callback`
    gets Keras's own call.
 
-With no keras_dist strategy current, both behave exactly as Keras's.
+With no keras_dist strategy current, everything here behaves exactly as
+Keras's.
 """
 
 import weakref
@@ -29,9 +49,208 @@ import keras
 from keras.src.backend.config import is_nnx_enabled
 from keras.src.utils.python_utils import is_default
 
-from keras_dist._keras_compat._input import current_strategy
+from keras_dist._keras_compat._adapters import (
+    ARRAY_ADAPTER,
+    adapter_dataset,
+    resident_pass,
+)
+from keras_dist._keras_compat._state import originals as _originals
+from keras_dist.data import _call
+from keras_dist.data._auto_shard import is_per_process
+from keras_dist.data._pipeline import InputPass, keras_batch
+from keras_dist.errors import IncompatibleBackupError
+from keras_dist.strategies._base import Strategy
+from keras_dist.training._fused_steps import FusedSteps
+from keras_dist.training._step import StepProgram, TimedStep
 
-__all__ = ["BATCH_HOOKS", "_batch_hook", "_layer_setattr"]
+__all__ = [
+    "BATCH_HOOKS",
+    "_batch_hook",
+    "_distribute_data",
+    "_enumerate_iterator",
+    "_get_distributed_iterator",
+    "_jit",
+    "_layer_setattr",
+    "_make_function",
+    "current_strategy",
+]
+
+# Keras's adapters whose passes cannot be read again from the start: the
+# batches a read-ahead takes from them are lost to the next pass.
+_ONE_SHOT_ADAPTERS = ("GeneratorDataAdapter",)
+# Keras's adapters whose reading is bound to the epoch: a `PyDataset` is read
+# by workers that `on_epoch_end` stops (and then reshuffles it) and
+# `on_epoch_begin` restarts. When Keras keeps one iterator across epochs
+# (`steps_per_epoch`), a read-ahead would read between the two — Keras's
+# "Iterator called after `on_epoch_end`" — or take a batch of the next
+# epoch from this epoch's order.
+_EPOCH_BOUND_ADAPTERS = ("PyDatasetAdapter",)
+
+
+def current_strategy() -> Strategy | None:
+    current = keras.distribution.distribution()
+    return current if isinstance(current, Strategy) else None
+
+
+def _jit(fun: Callable, *args, **kwargs):
+    """Keras's `jit`: a step under a strategy becomes a compiled `StepProgram`.
+
+    Keras jits its steps `(state, data)` with the state donated (argument 0);
+    anything else it jits (`concatenate`) is compiled as it asks.
+    """
+    strategy = current_strategy()
+    if kwargs.get("donate_argnums") != 0:
+        return _originals["jit"](fun, *args, **kwargs)
+    if strategy is None:  # Plain Keras: only timed (`ScalingReport`).
+        return TimedStep(_originals["jit"](fun, *args, **kwargs))
+    return StepProgram(
+        fun,
+        strategy,
+        predict=getattr(fun, "__name__", "") == "predict_step",
+        jit=lambda program: _originals["jit"](program, *args, **kwargs),
+    )
+
+
+def _make_function(self, step_function, concatenate_outputs=False):
+    """Keras's step loop over a `StepProgram` (an eager step becomes one).
+
+    A compiled step with `steps_per_execution > 1` runs its groups of batches
+    as one program each (`FusedSteps`) while the strategy's
+    `input_options.fuse_steps` is on (read at each group: Keras keeps the
+    step functions it made across calls).
+    """
+    strategy = current_strategy()
+    if strategy is None:
+        if not isinstance(step_function, TimedStep):
+            step_function = TimedStep(step_function)  # Plain Keras's eager step.
+    elif not isinstance(step_function, StepProgram):
+        step_function = StepProgram(
+            step_function, strategy, predict=concatenate_outputs, jit=None
+        )
+    keras_loop = _originals["JAXTrainer._make_function"](
+        self, step_function, concatenate_outputs
+    )
+    if (
+        isinstance(step_function, StepProgram)
+        and step_function.compiled
+        and self.steps_per_execution > 1
+    ):
+        steps = self.steps_per_execution
+        return FusedSteps(
+            step_function.step,
+            step_function.group(steps),
+            steps=steps,
+            concatenate=concatenate_outputs,
+            keras_loop=keras_loop,
+            enabled=lambda: strategy.input_options.fuse_steps,
+        )
+    return keras_loop
+
+
+def _distribute_data(data, layouts=None):
+    strategy = current_strategy()
+    if strategy is None:
+        return _originals["_distribute_data"](data, layouts)
+    return keras_batch(strategy.placement, data)
+
+
+def _get_distributed_iterator(self, distribution: Any):
+    """Keras's per-pass batch iterator: one `InputPass` of the pipeline."""
+    if not isinstance(distribution, Strategy):
+        return _originals["JAXEpochIterator._get_distributed_iterator"](
+            self, distribution
+        )
+    adapter = self.data_adapter
+    name = type(adapter).__name__
+    if name == ARRAY_ADAPTER:
+        resident = resident_pass(adapter, distribution.placement)
+        if resident is not None:  # In-memory arrays laid out on the mesh once.
+            return resident
+    return InputPass(
+        distribution.placement,
+        adapter.get_jax_iterator(),
+        source=f"the {name.removesuffix('Adapter')} input",
+        per_process=distribution.spans_processes
+        and is_per_process(adapter_dataset(adapter)),
+        keras=True,
+        prefetch=0 if _reads_on_demand(self, name) else 1,
+        channel="fit-input",
+    )
+
+
+def _reads_on_demand(epoch_iterator, adapter_name: str) -> bool:
+    """Whether a pass must read each batch only when the step asks for it."""
+    return adapter_name in _ONE_SHOT_ADAPTERS or (
+        adapter_name in _EPOCH_BOUND_ADAPTERS
+        and epoch_iterator.steps_per_epoch is not None
+    )
+
+
+def _enumerate_iterator(self):
+    """Keras's epoch loop over batches; a resumed `fit` first replays.
+
+    The replay drives Keras's own loop — the same `on_epoch_begin/end` of the
+    adapter, the same iterator kept or renewed across epochs — reading each
+    step's batches without training on them, so the state of the input is
+    exactly the one an uninterrupted run had at the backed-up step.
+    """
+    original = _originals["JAXEpochIterator._enumerate_iterator"]
+    call = _call.active()
+    plan = call.take_resume() if call is not None and call.method == "fit" else None
+    if plan is None:
+        yield from original(self)
+        return
+    _check_replayable(self, plan)
+    for _ in range(plan.epochs):
+        with self.catch_stop_iteration():
+            for _, _, iterator in original(self):
+                _drop_step(iterator, self.steps_per_execution)
+    for begin, end, iterator in original(self):
+        if begin < plan.steps:
+            ran_out = True
+            with self.catch_stop_iteration():
+                _drop_step(iterator, self.steps_per_execution)
+                ran_out = False
+            if ran_out:  # As in Keras's loop: the epoch ends there.
+                return
+            continue
+        yield begin, end, iterator
+
+
+def _drop_step(iterator, count: int) -> None:
+    """What one Keras step takes from `iterator`, read and dropped.
+
+    As Keras's step: the first batch must exist, the others may be missing.
+    """
+    skip = getattr(iterator, "skip", None)
+    if skip is not None:
+        if skip(count) == 0:
+            raise StopIteration
+        return
+    next(iterator)
+    for _ in range(count - 1):
+        if next(iterator, None) is None:
+            return
+
+
+def _check_replayable(epoch_iterator, plan) -> None:
+    adapter = epoch_iterator.data_adapter
+    if (
+        type(adapter).__name__ in _ONE_SHOT_ADAPTERS
+        and epoch_iterator.steps_per_epoch is None
+        and plan.epochs
+    ):
+        raise IncompatibleBackupError(
+            "BackupAndRestore cannot resume this fit: its input is a Python "
+            "generator read to its end every epoch, which cannot be read again "
+            f"(the backup is at epoch {plan.epochs} of this fit, step "
+            f"{plan.steps}). Received: x of type generator, steps_per_epoch=None. "
+            "Pass an input that can be iterated again (a `keras.utils.PyDataset`, "
+            "a `tf.data.Dataset`, arrays), or make the generator infinite and "
+            "pass `steps_per_epoch`: `model.fit(make_generator(), "
+            "steps_per_epoch=N, ...)`. The backup is kept."
+        )
+
 
 # `CallbackList` method -> the `Callback` hooks it calls (Keras's default
 # `on_train_batch_*` also calls the legacy `on_batch_*` alias).

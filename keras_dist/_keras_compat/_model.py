@@ -9,7 +9,7 @@ import jax
 import keras
 
 from keras_dist._checks import check_int
-from keras_dist._keras_compat._input import current_strategy
+from keras_dist._keras_compat._loop import current_strategy
 from keras_dist._keras_compat._processes import prepare_call
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError

@@ -38,15 +38,15 @@ __all__ = [
 _OPTIMIZER = "keras.src.optimizers.base_optimizer"
 
 PRIVATE_IMPORTS: tuple = (
-    ("keras.src", "tree"),  # _array_input: `none_is_leaf`, as Keras's adapters.
-    ("keras.src.trainers.data_adapters", "array_slicing"),  # _array_input
+    ("keras.src", "tree"),  # _adapters: `none_is_leaf`, as Keras's adapters.
+    ("keras.src.trainers.data_adapters", "array_slicing"),  # _adapters
     ("keras.src.backend.config", "is_nnx_enabled"),  # _loop
     ("keras.src.utils.python_utils", "is_default"),  # _loop
     ("keras.src.initializers.random_initializers", "RandomInitializer"),  # _variables
     ("keras.src.random.seed_generator", "draw_seed"),  # _variables
     ("keras.src.utils", "rng_utils"),  # global_seed
-    ("keras.src.backend.common.variables", "Variable"),  # _state_memory
-    ("keras.src.backend.jax", "core"),  # _state_memory
+    ("keras.src.backend.common.variables", "Variable"),  # _variables
+    ("keras.src.backend.jax", "core"),  # _variables
     ("jax._src", "clusters"),  # cluster/_environment
     ("jax._src.clusters", "cloud_tpu_cluster"),  # cluster/_tpu_devices
     ("jax._src", "distributed"),  # cluster/_initialize, _sync

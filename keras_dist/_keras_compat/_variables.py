@@ -1,6 +1,7 @@
-"""Seam 6: split variables are created and loaded part by part.
+"""Seams 6 and 8: variables under a strategy, made in parts and read where needed.
 
-Keras 3.15 (`JaxVariable._initialize_with_initializer`) computes an
+**Split variables are created and loaded part by part.** Keras 3.15
+(`JaxVariable._initialize_with_initializer`) computes an
 initializer's value whole on the default device, then `device_put`s it to the
 variable's layout — unless the variable is at least 250 MiB times the mesh size
 (`should_shard_at_init`). `KerasVariable.assign` likewise converts a NumPy
@@ -19,6 +20,28 @@ and a scalar `Constant` need no compilation: each part is filled on the
 host. A custom initializer is compiled as it is; if it cannot be traced
 (NumPy on its inputs, `float()` of a traced value) or changes a
 `SeedGenerator`'s state while traced, Keras's own path runs instead.
+
+**Variables kept in host memory are read where a computation needs them.**
+Under a strategy whose variables live outside device memory
+(`strategy.state_layout.off_device`, e.g. `CentralStorageStrategy` with its
+state in `"pinned_host"` memory), JAX refuses to compute on host and device
+arrays together. Keras's steps get their state moved to device memory by
+the one step wrapper (`training/_step.py`).
+
+Outside the steps, a variable joins computations directly: Keras traces
+code that reads variables (`compute_output_spec` builds the metrics of a
+first `fit` with `jax.eval_shape` over the model), a user's `jax.jit(model)`
+does too, and eager code computes on them (`model(x)` to check a shape,
+`kernel[0]`, `kernel == x` in Keras's loss-scale tests). `variable_value`
+wraps `JaxVariable.value` so that a variable stored in host memory is read
+in device memory, the memory of the computation it joins — a
+`jax.device_put` (traced: a transfer in the program; eager: a copy) —
+when JAX traces, or when the reader is one of the Keras functions through
+which a variable enters a computation (`joining_functions`: the backend's
+`convert_to_tensor` that every op calls, `__jax_array__` for `jax.numpy`,
+and the variable's operators). Read directly — `variable.value` by a user,
+Keras's trainer collecting a step's state and its shardings, saving — it is
+the stored array, where the strategy keeps it.
 """
 
 import copy
@@ -29,8 +52,11 @@ from collections.abc import Callable
 import jax
 import keras
 import numpy as np
+from keras.src.backend.common.variables import Variable
+from keras.src.backend.jax import core
 from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
+from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
 from keras_dist.strategies._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies._split_values import (
@@ -40,7 +66,13 @@ from keras_dist.strategies._split_values import (
     split_sharding,
 )
 
-__all__ = ["_assign", "_initialize_with_initializer"]
+__all__ = [
+    "_assign",
+    "_direct_assign",
+    "_initialize_with_initializer",
+    "joining_functions",
+    "variable_value",
+]
 
 # What JAX raises when traced code needs a concrete value.
 _TRACER_ERRORS = (
@@ -173,14 +205,68 @@ def _direct_assign(method: Callable) -> Callable:
         current = variable._value
         if not isinstance(current, jax.Array) or isinstance(current, jax.core.Tracer):
             return
-        if strategy_of_variable(variable) is None:
-            return
         sharding = getattr(variable._layout, "backend_layout", variable._layout)
         if (
             isinstance(sharding, jax.sharding.NamedSharding)
             and current.sharding != sharding
+            and strategy_of_variable(variable) is not None
         ):
             variable._value = jax.device_put(current, sharding)
 
     wrapper._keras_dist_wrapped = method
     return wrapper
+
+
+# A variable's methods that read its value to inspect or convert it, not to
+# compute with it.
+_NOT_JOINING = frozenset(
+    {"__init__", "__repr__", "__str__", "__array__", "__int__", "__float__"}
+)
+
+_DEVICE = "device"
+
+
+def joining_functions() -> tuple[Callable, ...]:
+    """The Keras functions through which a variable's value enters a computation."""
+    operators = tuple(
+        function
+        for name, function in vars(Variable).items()
+        if name.startswith("__")
+        and name.endswith("__")
+        and name not in _NOT_JOINING
+        and inspect.isfunction(function)
+    )
+    return (core.convert_to_tensor, core.JaxVariable.__jax_array__, *operators)
+
+
+_JOINING = frozenset(function.__code__ for function in joining_functions())
+
+
+def variable_value(value: property) -> property:
+    """`JaxVariable.value`, in device memory where it joins a computation."""
+    read = value.fget
+
+    @functools.wraps(read)
+    def value_for_reader(variable):
+        result = read(variable)
+        stored = getattr(variable, "_value", None)
+        if not isinstance(stored, jax.Array) or isinstance(stored, jax.core.Tracer):
+            return result
+        kind = getattr(stored.sharding, "memory_kind", None)
+        if kind in (_DEVICE, None) or _in_device_memory(result):
+            return result
+        caller = inspect.currentframe().f_back
+        if not is_in_jax_tracing_scope() and caller.f_code not in _JOINING:
+            return result  # Read as stored: by a user, the trainer, saving.
+        # Also a traced read (its autocast included): a transfer in the program.
+        return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
+
+    value_for_reader._keras_dist_wrapped = read
+    return property(value_for_reader, value.fset, value.fdel, value.__doc__)
+
+
+def _in_device_memory(value) -> bool:
+    """A concrete array already in device memory (e.g. a stateless scope's)."""
+    if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
+        return False
+    return getattr(value.sharding, "memory_kind", None) in (_DEVICE, None)

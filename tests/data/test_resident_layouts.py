@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._keras_compat import _array_input
+from keras_dist._keras_compat import _adapters
 from keras_dist.data._resident import ResidentPass
 from keras_dist.data._resident_data import (
     BLOCKS,
@@ -237,13 +237,13 @@ def _fit_layouts(options, x, shuffle=True, batch_size=8) -> list[str]:
         strategy.input_options = options
     model = build_in_scope(strategy, WEIGHTS)
     layouts = []
-    lay_out = _array_input.lay_out_resident
+    lay_out = _adapters.lay_out_resident
 
     def recording(strategy, data, layout, **kwargs):
         layouts.append(layout)
         return lay_out(strategy, data, layout, **kwargs)
 
-    with unittest.mock.patch.object(_array_input, "lay_out_resident", recording):
+    with unittest.mock.patch.object(_adapters, "lay_out_resident", recording):
         model.fit(
             x,
             Y[: len(x)],

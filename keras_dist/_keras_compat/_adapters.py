@@ -1,14 +1,26 @@
-"""Keras's in-memory array input as a device-resident dataset (`data/_resident.py`).
+"""Seams on Keras's data adapters: what keras_dist reads from them, and changes.
 
-Reads the private parts of Keras's `ArrayDataAdapter` that the public API
-does not show: its arrays (`_inputs`, converted as Keras converts them for
-JAX, `array_slicing.convert_to_sliceable`) and its batching
-(`_get_iterator`), which is run with a slicing function that returns the
-indices instead of the rows. So the index batches are Keras's own: the same
-`np.random.permutation` calls at the same moments for `shuffle=True` and
-`"batch"`, the same partial last batch.
+**In-memory arrays as a device-resident dataset** (`resident_pass`,
+`data/_resident.py`). Reads the private parts of Keras's `ArrayDataAdapter`
+that the public API does not show: its arrays (`_inputs`, converted as Keras
+converts them for JAX, `array_slicing.convert_to_sliceable`) and its
+batching (`_get_iterator`), which is run with a slicing function that
+returns the indices instead of the rows. So the index batches are Keras's
+own: the same `np.random.permutation` calls at the same moments for
+`shuffle=True` and `"batch"`, the same partial last batch.
+
+**A tf.data dataset split per process** (`tf_dataset_adapter_init`). Keras
+3.15 asked the distribution for the dataset each process reads
+(`DataParallel.distribute_dataset`); Keras 3.16 dropped that hook and shards
+inside its adapters, only with `auto_shard_dataset=True` (which keras_dist
+keeps off: Keras's sharding needs a global batch divisible by the processes
+and loses the exact partial batch). So the one place that works on both is
+Keras's tf.data adapter itself: after `TFDatasetAdapter.__init__`, under a
+keras_dist strategy, the adapter reads this process's share
+(`data/_auto_shard.per_process_share`: the whole dataset under AUTO/DATA).
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,13 +30,21 @@ from keras.src import tree
 from keras.src.trainers.data_adapters import array_slicing
 
 from keras_dist.data import _call
+from keras_dist.data._auto_shard import per_process_share
 from keras_dist.data._resident import ResidentPass
 from keras_dist.data._resident_data import lay_out_resident, resident_layout
 from keras_dist.data._target import InputTarget
+from keras_dist.strategies._base import Strategy
 
-__all__ = ["resident_pass"]
+__all__ = [
+    "ARRAY_ADAPTER",
+    "adapter_dataset",
+    "resident_pass",
+    "tf_dataset_adapter_init",
+]
 
-_ARRAY_ADAPTER = "ArrayDataAdapter"
+# The adapter `resident_pass` reads (by name: the class is private).
+ARRAY_ADAPTER = "ArrayDataAdapter"
 # Stands for the whole input in `_get_iterator`: one leaf, so each batch is
 # the slicing function's result for it (the indices).
 _ONE_LEAF = object()
@@ -32,7 +52,7 @@ _ONE_LEAF = object()
 
 def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
     """A pass over `adapter` gathered on the devices, or None for the host path."""
-    if type(adapter).__name__ != _ARRAY_ADAPTER or strategy.num_processes > 1:
+    if type(adapter).__name__ != ARRAY_ADAPTER or strategy.num_processes > 1:
         return None
     options = strategy.input_options
     leaves = [leaf for leaf in tree.flatten(adapter._inputs) if leaf is not None]
@@ -143,3 +163,25 @@ def _index_batches(adapter: Any):
 
 def _indices_only(leaf: Any, indices: Any = None) -> Any:
     return indices
+
+
+def tf_dataset_adapter_init(original: Callable) -> Callable:
+    """Wraps `TFDatasetAdapter.__init__(self, dataset, class_weight, distribution)`."""
+
+    def __init__(
+        self,
+        dataset,
+        class_weight=None,
+        distribution: Any = None,
+    ):
+        original(self, dataset, class_weight=class_weight, distribution=distribution)
+        if isinstance(distribution, Strategy):
+            self._dataset = per_process_share(distribution.placement, self._dataset)
+
+    __init__._keras_dist_wrapped = original
+    return __init__
+
+
+def adapter_dataset(adapter: Any) -> Any:
+    """The dataset a Keras data adapter reads (tf.data adapters), or None."""
+    return getattr(adapter, "_dataset", None)
