@@ -9,7 +9,7 @@ EK dispatch one step at a time; E32 and EK32 run 32 steps as one program, a
 `jax.lax.scan` over 32 batches stacked on the devices, each step's batch
 constrained to E's layout. At most 8 programs are in flight, as keras_dist
 keeps them on CPU devices (unbounded, XLA:CPU aborted most runs:
-`keras_dist/strategies/_pacing.py`).
+`keras_dist/strategies/_placement.py`).
 """
 
 import sys

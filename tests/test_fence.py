@@ -311,7 +311,7 @@ def test_no_module_reads_a_private_attribute_of_another_packages_object():
 def test_a_seam_reading_a_strategys_private_attribute_is_found():
     trees = _trees()
     probe = _PACKAGE / "_keras_compat" / "_probe.py"
-    trees[probe] = ast.parse("def f(strategy):\n    return strategy._pacer\n")
+    trees[probe] = ast.parse("def f(strategy):\n    return strategy._state_layout\n")
     assert _cross_package_reads(trees) == [
-        "keras_dist/_keras_compat/_probe.py:2: strategy._pacer"
+        "keras_dist/_keras_compat/_probe.py:2: strategy._state_layout"
     ]

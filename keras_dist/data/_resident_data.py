@@ -58,6 +58,9 @@ class ResidentData:
     tail: list | None = None
     block_rows: int | None = None
     replica_rows: int | None = None
+    # The step numbers `0 ... steps - 1` on every device, made by the first
+    # pass (`_resident.lay_out_pass`) and kept for the next ones.
+    step_numbers: list = dataclasses.field(default_factory=list)
 
 
 def resident_layout(

@@ -15,7 +15,7 @@ from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies import _cross_replica, _ownership, _run
 from keras_dist.strategies._devices import device_name
 from keras_dist.strategies._memory_report import MemoryReport, memory_report
-from keras_dist.strategies._pacing import Pacer
+from keras_dist.strategies._placement import Pacer
 from keras_dist.strategies._resident_placement import ResidentPlacement
 from keras_dist.strategies._state_layout import StateLayout
 from keras_dist.strategies._values import ReduceOp
@@ -43,6 +43,14 @@ class Strategy(keras.distribution.DataParallel):
         state_layout: makes the strategy's `StateLayout` from its device mesh
             and name (`StateLayout(device_mesh, owner)`). Defaults to
             everything replicated.
+
+    Attributes:
+        placement: where this strategy's data goes, and what the input
+            pipeline talks to (a `Placement`): lays batches out over the mesh
+            (`shard`), says which rows live on this process, places
+            device-resident datasets, paces the programs in flight. Input
+            machinery: a user passes data to `fit` or
+            `experimental_distribute_dataset`.
     """
 
     def __init__(
@@ -57,8 +65,8 @@ class Strategy(keras.distribution.DataParallel):
         self._state_layout = state_layout(self.device_mesh, type(self).__name__)
         _ownership.register(self)
         self._run_cache: dict = {}
-        self._pacer = Pacer(self.devices)  # Programs in flight (CPU devices).
-        self._placement = ResidentPlacement(self.mesh, self._state_layout, self._pacer)
+        # Where this strategy's data goes: what the input pipeline talks to.
+        self.placement = ResidentPlacement(self.mesh, self._state_layout)
 
     @property
     def state_layout(self) -> StateLayout:
@@ -71,39 +79,29 @@ class Strategy(keras.distribution.DataParallel):
         return self._state_layout
 
     @property
-    def placement(self) -> ResidentPlacement:
-        """Where this strategy's data goes: what the input pipeline talks to.
-
-        Lays batches out over the mesh (`shard`), says which rows live on
-        this process, places device-resident datasets. Input machinery: a
-        user passes data to `fit` or `experimental_distribute_dataset`.
-        """
-        return self._placement
-
-    @property
     def num_local_replicas(self) -> int:
         """Replicas on this process's devices (all of them with one process)."""
-        return self._placement.num_local_replicas
+        return self.placement.num_local_replicas
 
     @property
     def num_processes(self) -> int:
         """How many processes hold the strategy's devices (1 on one host)."""
-        return self._placement.num_processes
+        return self.placement.num_processes
 
     @property
     def process_id(self) -> int:
         """This process's index among the strategy's processes, from 0."""
-        return self._placement.process_id
+        return self.placement.process_id
 
     @property
     def pacer(self) -> Pacer:
         """Bounds the programs in flight on CPU devices (nothing elsewhere)."""
-        return self._pacer
+        return self.placement.pacer
 
     @property
     def spans_processes(self) -> bool:
         """Whether the mesh has devices of several processes."""
-        return self._placement.spans_processes
+        return self.placement.spans_processes
 
     def get_variable_layout(self, variable) -> keras.distribution.TensorLayout:
         """Keras's hook: the layout each new variable is created with.
@@ -156,7 +154,7 @@ class Strategy(keras.distribution.DataParallel):
 
         A `kd.InputOptions`; e.g. `device_resident` for in-memory arrays.
         """
-        return self._placement.input_options
+        return self.placement.input_options
 
     @input_options.setter
     def input_options(self, options: InputOptions) -> None:
@@ -166,7 +164,7 @@ class Strategy(keras.distribution.DataParallel):
                 f"input_options={options!r}. Use e.g. "
                 "`strategy.input_options = kd.InputOptions(device_resident=True)`."
             )
-        self._placement.input_options = options
+        self.placement.input_options = options
 
     @contextlib.contextmanager
     def scope(self) -> Iterator["Strategy"]:
@@ -288,9 +286,7 @@ class Strategy(keras.distribution.DataParallel):
         Raises:
             ValueError: if the dataset is not batched.
         """
-        return _distributed_dataset.distribute_dataset(
-            self._placement, dataset, options
-        )
+        return _distributed_dataset.distribute_dataset(self.placement, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
         """Builds the input from `dataset_fn(input_context)` per input pipeline.
@@ -304,7 +300,7 @@ class Strategy(keras.distribution.DataParallel):
             ValueError: if the returned dataset is not batched.
         """
         return _distributed_dataset.distribute_datasets_from_function(
-            self._placement, dataset_fn, options
+            self.placement, dataset_fn, options
         )
 
     def __repr__(self) -> str:

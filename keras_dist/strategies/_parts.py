@@ -12,8 +12,7 @@ from typing import Protocol
 import jax
 import keras
 
-from keras_dist.strategies._pacing import Pacer
-from keras_dist.strategies._placement import Placement
+from keras_dist.strategies._placement import Pacer, Placement
 from keras_dist.strategies._state_layout import StateLayout
 
 __all__ = ["StrategyParts"]

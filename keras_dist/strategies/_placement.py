@@ -1,5 +1,31 @@
-"""Where data goes: laying batches out over a strategy's mesh (one process or many)."""
+"""Where data goes and how far ahead: batches laid out over a strategy's mesh.
 
+`Placement` lays batches out over the mesh (one process or many); its
+`Pacer` bounds how many programs the host may dispatch ahead of the devices.
+
+**At most a few programs in flight on CPU devices (XLA:CPU collective
+deadlock).** JAX dispatches a program and returns before it runs; the host can run ahead
+of the devices. On CPU devices the XLA client admits at most 32 programs in
+flight per device (a semaphore, taken when a device's part of a program is
+launched, on a thread pool). When a fast step with a collective (the
+gradients' all-reduce) fills it, a device's part of one step can wait for a
+slot while the other devices wait for it in the all-reduce: XLA then aborts
+the process ("Expected 8 threads to join the rendezvous, but only 7 of them
+arrived"). It takes a few hundred steps of a small model, and a
+hand-written `jax.jit` loop hits it as Keras's loops do; a few programs in
+flight never do (the measurements: benchmarks/README.md, "Figures the
+code's design rests on"). An eager step (`run_eagerly=True`) dispatches
+many small programs and is paced as one: Keras's eager loop waits on its
+own results.
+
+`Pacer.after(outputs)` is called with each dispatched program's outputs; on
+a strategy over more than one CPU device it then waits until the program
+`DEPTH` dispatches earlier has finished. On GPUs and TPUs it does nothing.
+Waiting for a program that finished long ago costs microseconds, and `DEPTH`
+programs in flight are still far more than the host needs to stay ahead.
+"""
+
+import collections
 import weakref
 from typing import Any
 
@@ -9,11 +35,62 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data import _sparse
 from keras_dist.data._input_context import InputOptions
-from keras_dist.strategies._pacing import Pacer
 
-__all__ = ["BATCH_AXIS", "Placement"]
+__all__ = ["BATCH_AXIS", "DEPTH", "Pacer", "Placement"]
 
 BATCH_AXIS = "batch"
+
+DEPTH = 8
+
+
+class Pacer:
+    """Keeps at most `DEPTH` programs in flight, on CPU devices only.
+
+    Args:
+        devices: the devices the programs run on.
+    """
+
+    def __init__(self, devices):
+        devices = list(devices)
+        self.enabled = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
+        self._in_flight: collections.deque = collections.deque()
+
+    def after(self, outputs: Any) -> None:
+        """`outputs` were just dispatched; waits for the program `DEPTH` back."""
+        if not self.enabled:
+            return
+        marker = _first_array(outputs)
+        if marker is None:
+            return
+        self._in_flight.append(marker)
+        if len(self._in_flight) > DEPTH:
+            oldest = self._in_flight.popleft()
+            if not oldest.is_deleted():
+                oldest.block_until_ready()
+
+
+def _first_array(outputs: Any) -> jax.Array | None:
+    """The first concrete array of `outputs` (not a tracer: a traced call).
+
+    Walks containers only until it finds one: a step's outputs begin with
+    its logs, and its whole state need not be flattened every step.
+    """
+    if isinstance(outputs, jax.Array):
+        return outputs if hasattr(outputs, "is_deleted") else None
+    if isinstance(outputs, dict):
+        outputs = outputs.values()
+    elif not isinstance(outputs, (list, tuple)):
+        # Another pytree (a dataclass, a registered class): its leaves. A
+        # leaf that is not an array (None, a number, a tracer's) ends here.
+        leaves = jax.tree.leaves(outputs)
+        if leaves == [outputs]:
+            return None
+        outputs = leaves
+    for item in outputs:
+        found = _first_array(item)
+        if found is not None:
+            return found
+    return None
 
 
 class Placement:
@@ -31,32 +108,42 @@ class Placement:
         mesh: the strategy's 1-D `jax.sharding.Mesh` (axis `"batch"`).
         state_layout: the strategy's `StateLayout` (a batch is told from a
             split variable by its layout only when no state is split).
-        pacer: the strategy's `Pacer` (programs in flight on CPU devices).
+
+    Attributes:
+        devices: the devices of the mesh (all processes), in mesh order.
+        num_replicas_in_sync: replicas a global batch is split over (all
+            processes).
+        num_local_replicas: replicas on this process's devices (all of them
+            with one process).
+        num_processes: how many processes hold the devices (1 on one host).
+        spans_processes: whether that is more than one.
+        pacer: the `Pacer` of the programs the strategy runs on the devices.
+        input_options: how `fit`/`evaluate`/`predict` bring their input to
+            the devices (`kd.InputOptions`).
     """
 
-    def __init__(self, mesh: jax.sharding.Mesh, state_layout: Any, pacer: Pacer):
+    def __init__(self, mesh: jax.sharding.Mesh, state_layout: Any):
         self.mesh = mesh
         self.devices: tuple[jax.Device, ...] = tuple(mesh.devices.flat)
         self.state_layout = state_layout
-        self.pacer = pacer
+        self.pacer = Pacer(self.devices)
         self.input_options = InputOptions()
         self._replicated = state_layout.replicated
         here = jax.process_index()
-        # Computed once: the input path uses them for every batch.
-        self._local_replica_count = sum(d.process_index == here for d in self.devices)
-        self._process_count = len({d.process_index for d in self.devices})
-        self.spans_processes = self._process_count > 1
+        # Plain attributes: the input path reads them for every batch, and
+        # a mesh does not change.
+        self.num_replicas_in_sync = len(self.devices)
+        self.num_local_replicas = sum(d.process_index == here for d in self.devices)
+        self.num_processes = len({d.process_index for d in self.devices})
+        self.spans_processes = self.num_processes > 1
+        # Whether a batch is told from a split variable by its id (below).
+        self._splits_state = state_layout.splits_state
         self._data_shardings: dict[int, NamedSharding] = {}
         self._row_ranges: dict[int, slice] = {}
         # ids of the batches `shard` laid out, while they live.
         self._laid_out_batches: dict[int, None] = {}
         self._step_numbers: list[jax.Array] = []  # `step_numbers`, kept.
         self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
-
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Replicas a global batch is split over (all processes)."""
-        return len(self.devices)
 
     def is_batch_sharded(self, array: jax.Array) -> bool:
         """Whether `array` is a global batch split over the replicas.
@@ -76,7 +163,7 @@ class Placement:
             return False
         if not (sharding.mesh is self.mesh or sharding.mesh == self.mesh):
             return False
-        return not self.state_layout.splits_state or id(array) in self._laid_out_batches
+        return not self._splits_state or id(array) in self._laid_out_batches
 
     def replicate(self, array) -> jax.Array:
         """`array` laid out whole on every device (unchanged if it already is)."""
@@ -104,16 +191,6 @@ class Placement:
             )
             sharding = self._data_shardings[ndim] = NamedSharding(self.mesh, spec)
         return sharding
-
-    @property
-    def num_local_replicas(self) -> int:
-        """Replicas on this process's devices (all of them with one process)."""
-        return self._local_replica_count
-
-    @property
-    def num_processes(self) -> int:
-        """How many processes hold the strategy's devices (1 on one host)."""
-        return self._process_count
 
     @property
     def process_id(self) -> int:
@@ -169,7 +246,7 @@ class Placement:
                 )
                 for a in arrays
             ]
-        if self.state_layout.splits_state:
+        if self._splits_state:
             self._remember_batches(placed)
         return jax.tree.unflatten(treedef, placed)
 
@@ -187,7 +264,7 @@ class Placement:
         if self.spans_processes:
             raise ValueError(
                 "`shard_steps` lays out batches of one process only. Received a "
-                f"strategy over {self._process_count} processes; use `shard` for "
+                f"strategy over {self.num_processes} processes; use `shard` for "
                 "each batch."
             )
         arrays, treedef = jax.tree.flatten(data)

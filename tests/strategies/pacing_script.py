@@ -16,11 +16,11 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist.strategies import _pacing
+from keras_dist.strategies import _placement
 
 steps = int(sys.argv[1])
 if "unpaced" in sys.argv[2:]:
-    _pacing.DEPTH = 10**9
+    _placement.DEPTH = 10**9
 rng = np.random.RandomState(0)
 x = rng.rand(16 * steps, 28, 28, 1).astype("float32")
 y = rng.randint(0, 10, size=16 * steps).astype("int32")
