@@ -12,11 +12,17 @@ During the second epoch (steady state: every program compiled) a
 into a keras_dist file, on every thread (the prefetch thread included).
 Prints, per path: the keras_dist files that ran code, the calls per batch,
 and the order of layers one steady-state batch crosses (DESIGN.md's layers:
-seams, callbacks, training, strategies, input, cluster) on the step loop's
-thread, with the number of reversals (the batch going back into a layer it
-had left); and, apart, what the thread producing batches ahead did in the
-same window (indicative: it depends on when that thread ran). Writes
-`--out/batch_path.json`.
+seams, callbacks, training, strategies, input, cluster), with the number of
+reversals (the batch going back into a layer it had left):
+
+- on the step loop's thread, its road: from Keras's loop asking for the
+  next step (the seams' `_enumerate_iterator`) to the step dispatched and
+  paced (`Pacer.after`); what runs after it until the next step (Keras's
+  per-step callback hooks) is shown apart;
+- on the thread producing batches ahead (the host path's prefetch), the
+  production of one batch: from one resumption of its source to the next.
+
+Writes `--out/batch_path.json`.
 
     python benchmarks/batch_path.py
     python benchmarks/batch_path.py --steps 64 --paths numpy
@@ -52,7 +58,14 @@ LAYERS = {
     "data": "input",
     "cluster": "cluster",
 }
-_STEP_CALL = "timed"  # `training/_step._timed`: one call a step.
+# One batch's road on the step loop's thread: from Keras's loop asking for
+# the next step (the seams' `_enumerate_iterator`) to the step dispatched and
+# paced (`Placement`'s `Pacer.after`). Keras's per-step hooks follow it.
+_LOOP_CALL = "_enumerate_iterator"
+_PACED = ("after", "_first_array")
+# On the thread producing batches ahead: from one resumption of its source
+# (the prefetcher's `_ended`) to the next.
+_PRODUCER_CALL = "_ended"
 
 
 def _parser():
@@ -138,20 +151,20 @@ def measure(path: str, steps: int) -> dict:
 
     model.fit(**data, epochs=2, verbose=0, callbacks=[Hook()])
     files = collections.Counter(name for _, name, _ in recorder.calls)
-    # One steady-state batch: the calls from one dispatch of the compiled
-    # step (the seams' `timed`) to the next, read as the sequence of layers
-    # (consecutive repeats collapsed).
+    # One steady-state batch (the second of the epoch), as the sequence of
+    # layers its calls cross (consecutive repeats collapsed).
     main = threading.main_thread().ident
-    starts = [
-        i
-        for i, (thread, _, f) in enumerate(recorder.calls)
-        if f == _STEP_CALL and thread == main
-    ]
-    window = recorder.calls[starts[1] : starts[2]] if len(starts) > 2 else []
-    # The step loop's thread, and the others (a prefetch thread producing
-    # batches ahead): each its own sequence.
-    sequence = _collapsed([name for t, name, _ in window if t == main])
-    producer = _collapsed([name for t, name, _ in window if t != main])
+    on_main = [call for call in recorder.calls if call[0] == main]
+    starts = [i for i, (_, _, f) in enumerate(on_main) if f == _LOOP_CALL]
+    window = on_main[starts[1] : starts[2]] if len(starts) > 2 else []
+    paced = [i for i, (_, _, f) in enumerate(window) if f in _PACED]
+    road = window[: paced[-1] + 1] if paced else window
+    after_step = window[len(road) :]
+    produced = [call for call in recorder.calls if call[0] != main]
+    begins = [i for i, (_, _, f) in enumerate(produced) if f == _PRODUCER_CALL]
+    producer = produced[begins[1] : begins[2]] if len(begins) > 2 else []
+    sequence = _collapsed([name for _, name, _ in road])
+    producer_sequence = _collapsed([name for _, name, _ in producer])
     return {
         "path": path,
         "steps": steps,
@@ -159,10 +172,10 @@ def measure(path: str, steps: int) -> dict:
         "file_count": len(files),
         "calls_per_batch": round(len(recorder.calls) / steps, 1),
         "layer_sequence_of_one_batch": sequence,
-        "producer_sequence_of_one_batch": producer,
+        "producer_sequence_of_one_batch": producer_sequence,
+        "after_the_step": _collapsed([name for _, name, _ in after_step]),
         "reversals": _reversals(sequence),
-        # The producer's window depends on when its thread ran: indicative.
-        "producer_reversals": _reversals(producer),
+        "producer_reversals": _reversals(producer_sequence),
     }
 
 
@@ -194,14 +207,16 @@ def main(argv=None) -> int:
         print(
             f"\n{result['path']}: {result['file_count']} keras_dist files, "
             f"{result['calls_per_batch']} calls a batch, "
-            f"{result['reversals']} reversals between layers"
+            f"{result['reversals']} reversals between layers "
+            f"({result['producer_reversals']} producing it ahead)"
         )
         for name, count in result["files"].items():
             print(f"  {count / result['steps']:7.1f} calls/batch  {name}")
         print("  one batch: " + " -> ".join(result["layer_sequence_of_one_batch"]))
         if result["producer_sequence_of_one_batch"]:
             producer = result["producer_sequence_of_one_batch"]
-            print("  its producer thread meanwhile: " + " -> ".join(producer))
+            print("  produced ahead: " + " -> ".join(producer))
+        print("  after its step: " + " -> ".join(result["after_the_step"]))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -170,7 +170,7 @@ def _get_distributed_iterator(self, distribution: Any):
         distribution.placement,
         adapter.get_jax_iterator(),
         source=f"the {name.removesuffix('Adapter')} input",
-        per_process=distribution.spans_processes
+        per_process=distribution.placement.spans_processes
         and is_per_process(adapter_dataset(adapter)),
         keras=True,
         prefetch=0 if _reads_on_demand(self, name) else 1,

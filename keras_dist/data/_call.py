@@ -92,6 +92,8 @@ class StepStats:
     the devices are behind by several steps, waits for them. Nothing waits
     for a result to measure it.
 
+    Counters, added to in place by the step wrapper.
+
     Attributes:
         steps: steps run.
         dispatches: programs called for them (`steps` / N with fused groups).
@@ -101,12 +103,6 @@ class StepStats:
     steps: int = 0
     dispatches: int = 0
     seconds: float = 0.0
-
-    def record(self, seconds: float, steps: int = 1) -> None:
-        """One program of `steps` steps was called, for `seconds` of host time."""
-        self.steps += steps
-        self.dispatches += 1
-        self.seconds += seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,11 +200,14 @@ class CallState:
 
 
 _STACK: list[CallState] = []
+# The innermost running call, or None: what `active()` returns, also read as
+# an attribute by the step wrapper after each step (no call on its road).
+current: CallState | None = None
 
 
 def active() -> CallState | None:
     """The innermost running call, or None outside any keras_dist call."""
-    return _STACK[-1] if _STACK else None
+    return current
 
 
 @contextlib.contextmanager
@@ -221,10 +220,13 @@ def enter(method: str, strategy: Any, *, initial_epoch: int = 0) -> Iterator[Cal
         initial_epoch=initial_epoch,
         parent=parent,
     )
+    global current
     _STACK.append(state)
+    current = state
     try:
         yield state
     finally:
         _STACK.remove(state)
+        current = _STACK[-1] if _STACK else None
         if parent is None:
             state.close()

@@ -119,14 +119,19 @@ def batch_size_of(data: Any) -> int | None:
     Raises:
         ValueError: if two arrays disagree on the batch dimension.
     """
-    leaves = [
-        leaf
-        for leaf in jax.tree.leaves(data, is_leaf=is_leaf)
-        if is_sparse(leaf) or _is_array(leaf)
-    ]
-    sizes = {
-        rows_of(leaf) if is_sparse(leaf) else int(leaf.shape[0]) for leaf in leaves
-    }
+    leaves = jax.tree.leaves(data)
+    if all(type(leaf) is np.ndarray for leaf in leaves):  # Dense: no sparse walk.
+        leaves = [leaf for leaf in leaves if leaf.ndim]
+        sizes = {leaf.shape[0] for leaf in leaves}
+    else:
+        leaves = [
+            leaf
+            for leaf in jax.tree.leaves(data, is_leaf=is_leaf)
+            if is_sparse(leaf) or _is_array(leaf)
+        ]
+        sizes = {
+            rows_of(leaf) if is_sparse(leaf) else int(leaf.shape[0]) for leaf in leaves
+        }
     if len(sizes) > 1:
         shapes = [tuple(leaf.shape) for leaf in leaves]
         raise ValueError(

@@ -12,11 +12,12 @@ and `distribute_datasets_from_function`. One pass (`InputPass`):
    each step's per-process rows, `ProcessBlocks`);
 3. **pad** a batch that does not split over the replicas with zero rows to a
    multiple of them, keeping the count of real rows (`_partial_batch`);
-4. **lay out** this process's rows over the mesh (the strategy's `_shard`);
-5. **prefetch** one step ahead on a background thread — only for sources that
-   Keras (or the user) can restart: read-ahead never takes a batch from a
-   one-shot generator that nobody could give back, nor reads a `PyDataset`
-   that Keras keeps across epochs between its `on_epoch_end` and
+4. **lay out** this process's rows over the mesh (the strategy's placement,
+   `InputTarget.shard`): the last thing a batch's production does;
+5. **prefetch** one step ahead on a background thread (`Prefetcher`) —
+   only for sources that Keras (or the user) can restart: read-ahead never
+   takes a batch from a one-shot generator that nobody could give back, nor
+   reads a `PyDataset` that Keras keeps across epochs between its `on_epoch_end` and
    `on_epoch_begin`.
 
 The real-row count travels with the batch in one of two carriers of the same
@@ -26,12 +27,15 @@ code the arrays themselves are marked, so `strategy.run`, `gather`, `reduce`
 and `compute_average_loss` leave the padding out.
 """
 
+import queue
+import threading
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _call
@@ -49,33 +53,46 @@ from keras_dist.data._partial_batch import (
     pad_rows,
     round_up,
 )
-from keras_dist.data._prefetch import Prefetcher
 from keras_dist.data._sparse import is_leaf, is_sparse
 from keras_dist.data._target import InputTarget
 
-__all__ = ["InputPass", "element", "keras_batch", "lay_out"]
+__all__ = ["InputPass", "Prefetcher", "element", "keras_batch"]
 
 
-def lay_out(strategy: InputTarget, data: Any) -> tuple[Any, Any]:
-    """A global batch every process reads -> (global arrays, real rows or None)."""
-    if not strategy.num_processes > 1:
+def _padded(strategy: InputTarget, data: Any) -> tuple[Any, int | None, Any]:
+    """A global batch every process reads -> `(this process's rows, padded;
+    the global batch size with several processes, else None; real rows or
+    None)`."""
+    if strategy.num_processes == 1:
         padded, num_real = pad_rows(data, strategy.num_local_replicas)
-        return strategy.shard(padded), num_real
+        return padded, None, num_real
     replicas = strategy.num_replicas_in_sync
     rows = strategy.process_rows(round_up(batch_size_of(data) or 0, replicas))
-    local, size, num_real = global_rows(data, replicas, rows)
-    return strategy.shard(local, size), num_real
+    return global_rows(data, replicas, rows)
+
+
+def _laid_out(
+    strategy: InputTarget, data: Any, rows: int | None, num_real, keras: bool
+) -> Any:
+    """Padded host rows laid out over the mesh: the last step of a batch.
+
+    A Keras batch is wrapped (`PaddedBatch`) on the host first, so that the
+    layout keeps the wrapper (a pytree node) and nothing of the input layer
+    runs after it. User code's arrays are marked once laid out.
+    """
+    if keras:
+        return strategy.shard(as_padded_batch(data, num_real), rows)
+    return _marked(strategy.shard(data, rows), num_real)
 
 
 def keras_batch(strategy: InputTarget, data: Any) -> Any:
     """One Keras batch `(x, y, sample_weight)` laid out: a `PaddedBatch` if padded."""
-    arrays, num_real = lay_out(strategy, data)
-    return as_padded_batch(arrays, num_real)
+    return _laid_out(strategy, *_padded(strategy, data), keras=True)
 
 
 def element(strategy: InputTarget, data: Any) -> Any:
     """One batch in its own structure, laid out; padded arrays are marked."""
-    return _marked(*lay_out(strategy, data))
+    return _laid_out(strategy, *_padded(strategy, data), keras=False)
 
 
 def _marked(arrays: Any, num_real) -> Any:
@@ -139,14 +156,12 @@ class _Reader:
                 "`drop_remainder=True`)."
             )
 
-    def lay_out(self, item) -> tuple[Any, Any]:
-        data, rows, num_real = item
-        if rows is None:
-            return lay_out(self.strategy, data)
-        return self.strategy.shard(data, rows), num_real
+    def produced(self, keras: bool) -> Iterator[tuple[Any, float, bool]]:
+        """Yields `(batch laid out, seconds producing it, first of the pass?)`.
 
-    def produced(self, keras: bool) -> Iterator[Any]:
-        stats = self.call.input_stats if self.call is not None else None
+        The consumer records the seconds (`InputStats`): on its own thread,
+        after the batch left this one.
+        """
         first = True
         while True:
             start = time.perf_counter()
@@ -154,19 +169,21 @@ class _Reader:
             if item is None:
                 return
             if first:
-                self.sparse = any(
-                    is_sparse(leaf)
-                    for leaf in jax.tree.leaves(item[0], is_leaf=is_leaf)
-                )
-            arrays, num_real = self.lay_out(item)
-            if stats is not None:
-                stats.record(time.perf_counter() - start, first=first)
+                self.sparse = _holds_sparse(item[0])
+            data, rows, num_real = item
+            if rows is None:
+                data, rows, num_real = _padded(self.strategy, data)
+            batch = _laid_out(self.strategy, data, rows, num_real, keras)
+            yield batch, time.perf_counter() - start, first
             first = False
-            yield (
-                as_padded_batch(arrays, num_real)
-                if keras
-                else _marked(arrays, num_real)
-            )
+
+
+def _holds_sparse(batch: Any) -> bool:
+    """Whether `batch` holds a sparse matrix (a dense host batch: at once)."""
+    leaves = jax.tree.leaves(batch)
+    if all(type(leaf) is np.ndarray for leaf in leaves):
+        return False
+    return any(is_sparse(leaf) for leaf in jax.tree.leaves(batch, is_leaf=is_leaf))
 
 
 class InputPass:
@@ -235,9 +252,10 @@ class InputPass:
 
     def __next__(self) -> Any:
         start = time.perf_counter()
-        batch = self._next()
-        if self._stats is not None:  # The step loop's wait for the batch.
-            self._stats.record_wait(time.perf_counter() - start)
+        batch, seconds, first = self._next()
+        if self._stats is not None:
+            self._stats.record(seconds, first=first)  # Producing it.
+            self._stats.record_wait(time.perf_counter() - start)  # Waiting.
         return batch
 
     def _next(self) -> Any:
@@ -250,11 +268,11 @@ class InputPass:
         # The first batch is read here. Sparse batches are read on this thread
         # only: Keras slices them with JAX ops (BCOO), and such eager JAX work
         # on a second thread while a step runs was seen to abort XLA on CPU.
-        batch = next(self._out)
+        produced = next(self._out)
         if self._reader.sparse:
             prefetcher.close()
             self._prefetcher = None
-        return batch
+        return produced
 
     def close(self) -> None:
         """Stops the prefetch thread, if any (also done when dropped)."""
@@ -262,7 +280,7 @@ class InputPass:
             self._prefetcher.close()
 
 
-def _closer(prefetcher: Prefetcher):
+def _closer(prefetcher: "Prefetcher"):
     """Closes `prefetcher` at the call's end unless it is gone already."""
     ref = weakref.ref(prefetcher)
 
@@ -272,3 +290,113 @@ def _closer(prefetcher: Prefetcher):
             alive.close()
 
     return close
+
+
+# Background prefetch: the next batches on the devices before the step.
+
+_END = object()
+_JOIN_SECONDS = 5.0
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _produce(iterator: Iterator[Any], out: queue.Queue, stop: threading.Event):
+    """The thread's work. It holds no reference to its `Prefetcher`, so a
+    consumer that drops the prefetcher (a pass Keras abandons) stops it."""
+    for item in _ended(iterator):
+        while not stop.is_set():  # Put, unless stopped (checked every 0.1 s).
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        else:
+            return
+
+
+def _ended(iterator: Iterator[Any]) -> Iterator[Any]:
+    """`iterator`'s items, then `_END`, or a `_Failure` where it raised."""
+    try:
+        yield from iterator
+        yield _END
+    except GeneratorExit:  # Closed: the consumer stopped.
+        raise
+    except BaseException as error:  # Re-raised in the consumer.
+        yield _Failure(error)
+    finally:
+        del iterator
+
+
+def _stop(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread.ident is not None and thread is not threading.current_thread():
+        thread.join(_JOIN_SECONDS)
+
+
+class Prefetcher:
+    """Runs `iterator` on a daemon thread, `buffer_size` items ahead.
+
+    Items are produced (read from the host pipeline, padded, copied to the
+    devices) while the consumer's step runs. An exception in the producer is
+    raised in the consumer at the item where it happened.
+
+    The thread has an owner: `close()` stops it (within 0.1 s when it waits
+    on a full buffer) and joins it; so does dropping the last reference to
+    the prefetcher, and so does the end of the Keras call it was made for
+    (the input pipeline registers `close` with the call). Nothing waits
+    forever on a stopped consumer.
+
+    Args:
+        iterator: the items to produce.
+        buffer_size: how many finished items may wait (>= 1).
+        lazy: start producing at the first `next()` (not at construction),
+            for iterators whose first step must follow the consumer's set-up.
+    """
+
+    def __init__(self, iterator: Iterator[Any], buffer_size: int, lazy: bool = False):
+        self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
+        stop = threading.Event()
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(iterator, self._queue, stop),
+            daemon=True,
+            name="keras_dist-prefetch",
+        )
+        self._done = False
+        self._close = weakref.finalize(self, _stop, stop, self._thread)
+        if not lazy:
+            self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the thread has started producing."""
+        return self._thread.ident is not None
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._thread.ident is None:
+            self._thread.start()
+        item = self._queue.get()
+        if item is _END:
+            self._finish()
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._finish()
+            raise item.error
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self._close()
+
+    def close(self) -> None:
+        """Stops and joins the thread; later `next()` calls end the iteration."""
+        self._done = True
+        self._close()

@@ -33,8 +33,9 @@ of the host path. A partial batch is padded as on the host path (index -1:
 zero rows) and travels as a `PaddedBatch` that the step cuts.
 
 **What a pass lays out when it starts.** A `ResidentPass` that may read
-ahead reads all its index batches at its first batch and lays out, at once, what its steps then name with kept step
-numbers (`Strategy.step_numbers`), so that a step transfers nothing:
+ahead reads all its index batches at its first batch and lays out, at once,
+what its steps then name with kept step numbers (`Strategy.step_numbers`),
+so that a step transfers nothing:
 
 - over a copied dataset: its leading full batches' indices, as one table
   (`Strategy.shard_steps`); a step number names a row of it;

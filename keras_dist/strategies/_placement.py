@@ -221,6 +221,14 @@ class Placement:
                 multiple of `num_local_replicas`.
             rows: the global batch size, when the mesh spans processes.
         """
+        leaves, treedef = jax.tree.flatten(data)
+        if not self.spans_processes and all(
+            type(leaf) is np.ndarray for leaf in leaves
+        ):  # A dense host batch (the common case): no sparse walk.
+            placed = [_place(a, self._data_sharding(a.ndim)) for a in leaves]
+            if self._splits_state:
+                self._remember_batches(placed)
+            return jax.tree.unflatten(treedef, placed)
         leaves, treedef = jax.tree.flatten(data, is_leaf=_sparse.is_leaf)
         arrays = [_as_array(x) for x in leaves]
         if not self.spans_processes:

@@ -12,7 +12,7 @@ worked is never refused):
   `StopIteration`, or `UnboundLocalError` from `predict`); empty passes of
   other inputs are refused by the input pipeline under a strategy;
 - no targets for a loss that needs them, and sparse labels outside the
-  model's output (`data/_label_checks.py`); `class_weight` keys that are no
+  model's output (`data/_batch_checks.py`); `class_weight` keys that are no
   class of the output. The returned batch check carries the targets checks
   to every batch the input pipeline reads (datasets, generators).
 """
@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 from keras_dist._checks import check_int
-from keras_dist.data._label_checks import (
-    SparseLabels,
+from keras_dist.data._batch_checks import (
+    BatchTargets,
     missing_targets_error,
     needs_targets,
     sparse_labels,
@@ -139,7 +139,7 @@ def _check_targets(method: str, model: Any, x: Any, arguments: dict):
         if _arrays(y) is not None:
             labels.check(y, "y")
             _warn_unused_class_weight(class_weight, y)
-    return _BatchTargets(model, labels, method)
+    return BatchTargets(model, labels, method)
 
 
 def _warn_unused_class_weight(class_weight: Any, y: Any) -> None:
@@ -159,23 +159,3 @@ def _warn_unused_class_weight(class_weight: Any, y: Any) -> None:
             UserWarning,
             stacklevel=4,
         )
-
-
-class _BatchTargets:
-    """The targets checks, on each batch the input pipeline reads."""
-
-    def __init__(self, model: Any, labels: SparseLabels | None, method: str):
-        self._model = model
-        self._labels = labels
-        self._method = method
-
-    def __call__(self, batch: Any, index: int) -> None:
-        y = batch[1] if isinstance(batch, tuple) and len(batch) > 1 else None
-        if y is None and index == 0:
-            raise missing_targets_error(
-                self._model,
-                f"the first batch of `{self._method}`'s input holds none",
-                "batches of x only (no targets)",
-            )
-        if self._labels is not None and _is_array(y):
-            self._labels.check(y, f"batch {index} of the input, y")

@@ -195,9 +195,12 @@ def _timed(program: Callable, *, steps: int, pacer) -> Callable:
     def timed(*args, **kwargs):
         start = time.perf_counter()
         outputs = program(*args, **kwargs)
-        call = _call.active()
+        call = _call.current
         if call is not None:
-            call.step_stats.record(time.perf_counter() - start, steps)
+            stats = call.step_stats
+            stats.steps += steps
+            stats.dispatches += 1
+            stats.seconds += time.perf_counter() - start
         if pacer is not None:
             pacer.after(outputs)
         return outputs
