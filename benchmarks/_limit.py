@@ -1,4 +1,4 @@
-"""The hand-written limit (configs E, E32, EK, EK32 of `_worker.py`).
+"""The hand-written limit (configs E, E32, EK, EK32, EKU, EK32U of `_worker.py`).
 
 A `jax.jit` step over the mesh, as JAX's sharding tutorial writes it: the
 state replicated, each batch split over the devices, the batches laid out on
@@ -9,7 +9,9 @@ EK dispatch one step at a time; E32 and EK32 run 32 steps as one program, a
 `jax.lax.scan` over 32 batches stacked on the devices, each step's batch
 constrained to E's layout. At most 8 programs are in flight, as keras_dist
 keeps them on CPU devices (unbounded, XLA:CPU aborted most runs:
-`keras_dist/strategies/_placement.py`).
+`keras_dist/strategies/_placement.py`); EKU and EK32U are EK and EK32 with
+no such bound (the loop as JAX's tutorials write it: what the pacing costs,
+and whether these runs abort).
 """
 
 import sys
@@ -32,7 +34,8 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
     mesh = Mesh(np.array(devices), ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     batch_rows = NamedSharding(mesh, PartitionSpec("batch"))
-    per_dispatch = 32 if config.endswith("32") else 1
+    per_dispatch = 32 if "32" in config else 1
+    paced = not config.endswith("U")
     if steps % per_dispatch:
         sys.exit(f"{config} runs 32 steps a dispatch. Received: STEPS={steps}.")
 
@@ -83,9 +86,10 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
         in_flight = []  # At most 8 programs in flight (XLA:CPU).
         for xb, yb in batches:
             loss, state = program(state, xb, yb)
-            in_flight.append(loss)
-            if len(in_flight) > 8:
-                in_flight.pop(0).block_until_ready()
+            if paced:
+                in_flight.append(loss)
+                if len(in_flight) > 8:
+                    in_flight.pop(0).block_until_ready()
         return jax.block_until_ready((loss, state))
 
     return epoch, state

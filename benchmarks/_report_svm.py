@@ -9,6 +9,8 @@ NAMES = {
     "A": "Keras fit, 1 device",
     "B": "keras_dist MirroredStrategy fit",
     "B32": "keras_dist fit, steps_per_execution=32",
+    "BU": "keras_dist fit, pacing off (what the pacer costs)",
+    "B32U": "keras_dist fit, steps_per_execution=32, pacing off",
     "BS": "keras_dist fit, shuffle=True (rows gathered, not sliced)",
     "BR": "keras_dist fit, shuffle=True, split by rows (budget under a copy)",
     "C": "Keras DataParallel, fit in the scope (as documented)",
@@ -19,6 +21,8 @@ NAMES = {
     "E32": "hand-written, 32 steps per dispatch (lax.scan; limit of B32)",
     "EK": "hand-written jax.jit + Keras's Adam (limit for Keras's step math)",
     "EK32": "hand-written, 32 steps per dispatch, Keras's Adam",
+    "EKU": "EK with no bound on the programs in flight",
+    "EK32U": "EK32 with no bound on the programs in flight",
     "F": "keras_dist custom loop (strategy.run)",
 }
 

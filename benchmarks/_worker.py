@@ -6,6 +6,9 @@ CONFIG is one of
     A    Keras fit on one device (keras_dist OneDeviceStrategy)
     B    keras_dist MirroredStrategy fit on DEVICES devices
     B32  B compiled with steps_per_execution=32
+    BU   B with keras_dist's pacing off (`strategy.pacer.enabled = False`):
+         what the pacer costs (XLA:CPU may abort such a run)
+    B32U B32 with keras_dist's pacing off
     BR   BS with a budget no copy fits (`InputOptions(device_resident=True,
          device_resident_budget=0)`): the data is split over the devices
          by rows, and each epoch lays its batches out once from them (one
@@ -33,6 +36,9 @@ CONFIG is one of
          optax's: the limit for the step math Keras runs (B's), so that
          B/EK is what keras_dist's fit adds and EK/E what Keras's Adam costs
     EK32 E32 with Keras's Adam
+    EKU  EK with no bound on the programs in flight (the loop as JAX's
+         tutorials write it; XLA:CPU may abort it)
+    EK32U EK32 with no bound on the programs in flight
     F    keras_dist custom training loop (strategy.run) on the same mesh
 
 Every configuration trains MODEL on the same synthetic data at the same global
@@ -59,7 +65,14 @@ os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
 
 import numpy as np  # noqa: E402
 
-LIMIT_CONFIGS = ("E", "E32", "EK", "EK32")  # The hand-written limit: `_limit.py`.
+LIMIT_CONFIGS = (
+    "E",
+    "E32",
+    "EK",
+    "EK32",
+    "EKU",
+    "EK32U",
+)  # The hand-written limit: `_limit.py`.
 SHAPES = {"tiny": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3)}
 
 
@@ -170,8 +183,10 @@ def run_keras_fit():
     devices = mesh_devices()
     if CONFIG == "A":
         strategy = kd.OneDeviceStrategy(devices[0])
-    elif CONFIG in ("B", "B32", "BS", "BR"):
+    elif CONFIG in ("B", "B32", "BU", "B32U", "BS", "BR"):
         strategy = kd.MirroredStrategy(list(devices))
+        if CONFIG.endswith("U"):  # No pacing: what it costs.
+            strategy.pacer.enabled = False
     else:  # C, C0: Keras's own data parallelism, no keras_dist involved.
         strategy = keras.distribution.DataParallel(devices=list(devices))
     if CONFIG in ("BS", "BR"):  # Copies; split by rows.
@@ -186,7 +201,7 @@ def run_keras_fit():
         extra = (report,)
     with strategy.scope():
         model = set_initial_weights(make_model(keras, MODEL))
-        compile_model(keras, model, 32 if CONFIG == "B32" else 1)
+        compile_model(keras, model, 32 if "32" in CONFIG else 1)
         if CONFIG != "C0":
             seconds, loss = fit_and_time(
                 keras, model, x, y, extra, shuffle=CONFIG in ("BS", "BR")
@@ -282,7 +297,8 @@ def run_jax_loop():
 
 
 def main():
-    runner = dict.fromkeys(("A", "B", "B32", "BS", "BR", "C", "C0"), run_keras_fit)
+    keras_fits = ("A", "B", "B32", "BU", "B32U", "BS", "BR", "C", "C0")
+    runner = dict.fromkeys(keras_fits, run_keras_fit)
     runner.update(dict.fromkeys((*LIMIT_CONFIGS, "F"), run_jax_loop))
     runner.update(D=run_tf_fit)
     seconds, loss, report = runner[CONFIG]()

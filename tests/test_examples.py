@@ -63,8 +63,11 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     assert "1 runs per configuration (< 5): indicative only" in out
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
     rows = {row["config"]: row for row in payload["rows"]}
-    # E32 and EK32 need steps in multiples of 32: left out of a 2-step run.
-    assert list(rows) == ["A", "B", "B32", "BS", "BR", "C", "C0", "D", "E", "EK", "F"]
+    # E32, EK32 and EK32U need steps in multiples of 32: left out of a 2-step run.
+    assert list(rows) == [
+        *("A", "B", "B32", "BU", "B32U", "BS", "BR", "C", "C0", "D"),
+        *("E", "EK", "EKU", "F"),
+    ]
     for row in rows.values():
         assert "error" not in row, row
         assert row["model"] == "tiny" and row["steps"] == 2
@@ -79,6 +82,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     # The Keras configurations train the same model from the same initial
     # weights with the same Adam: the same loss (C0 too: it is slow, not wrong).
     losses = [rows[c]["final_loss"] for c in ("A", "B", "B32", "C", "C0", "D")]
+    losses += [rows[c]["final_loss"] for c in ("BU", "B32U")]
     assert max(losses) - min(losses) < 1e-3 * max(losses)
     assert rows["BS"]["final_loss"] != rows["B"]["final_loss"]  # Shuffled.
     # The same shuffle, from the split rows: the same numbers as the copy.
@@ -87,6 +91,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     # (epsilon 1e-7 against optax's 1e-8): close, not equal.
     e, ek = rows["E"]["final_loss"], rows["EK"]["final_loss"]
     assert e != ek and abs(e - ek) < 1e-3 * e
+    assert rows["EKU"]["final_loss"] == ek  # Unpaced: the same programs.
     assert set(rows["B"]["scaling_report"]) == {
         "compile_seconds",
         "input_ms_per_step",
@@ -95,10 +100,12 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     analysis = payload["analysis"]
     ratios = ["B/A", "B/C", "B/C0", "B/D", "B/E", "B32/E", "B32/E32", "BS/B"]
     ratios += ["BR/BS", "F/E", "B/EK", "B32/EK32", "EK/E"]
+    ratios += ["B/EKU", "B32/EK32U", "B/BU", "EK/EKU"]
     assert list(analysis["ratios"]["tiny"]) == ratios
     assert sorted(int(n) for n in analysis["scaling"]) == [1, 8]
     names = [t["target"] for t in analysis["targets"]]
     limits = ["B/E <= 1)", "B/C <= 1)", "B32/E <= 1/3)", "B32/E32 <= 1)"]
+    limits += ["B/EKU <= 1.10)", "B32/EK32U <= 1.10)"]
     assert [n.split(" (")[-1] for n in names] == limits
     assert analysis["ratios"]["tiny"]["B32/E32"] is None  # No E32 row.
     assert analysis["ratios"]["tiny"]["B32/EK32"] is None
@@ -253,9 +260,21 @@ def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
         assert result["files"]["keras_dist/training/_step.py"] == 8 * 2, path
         assert result["file_count"] == len(result["files"])
         assert result["calls_per_batch"] > 0
+        # Issue 27: at most 8 files a steady-state epoch, and a batch's road
+        # crosses the layers in DESIGN.md's order, never back.
+        assert result["file_count"] <= 8, (path, result["files"])
+        assert result["reversals"] == 0, (path, result["layer_sequence_of_one_batch"])
+        assert result["producer_reversals"] == 0, path
+        road = result["layer_sequence_of_one_batch"]
+        assert road == ["seams", "input", "training", "strategies"], path
         assert f"{path}: {result['file_count']} keras_dist files" in out
     # The host path reads, pads and lays out each batch; the resident one not.
     assert "keras_dist/data/_pipeline.py" in by_path["tf.data"]["files"]
     assert "keras_dist/data/_pipeline.py" not in by_path["numpy"]["files"]
+    # The host path's batches are produced ahead, laid out last.
+    assert by_path["tf.data"]["producer_sequence_of_one_batch"] == [
+        "input",
+        "strategies",
+    ]
     with pytest.raises(AssertionError, match="--paths must name"):
         _run(["benchmarks/batch_path.py", "--paths", "parquet"])

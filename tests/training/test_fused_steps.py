@@ -401,10 +401,10 @@ def test_central_storage_evaluate_group_returns_its_host_weights_uncopied(
     Measured: the evaluate group's HLO returns all 8 weights of the model
     (Dense, BatchNormalization, Dense) as its parameters 0-7.
     """
-    from keras_dist._keras_compat import _input
+    from keras_dist._keras_compat import _loop
 
     programs = []  # (step name, jitted, its first call's argument types).
-    original = _input._originals["jit"]
+    original = _loop._originals["jit"]
 
     def recording_jit(fun, *args, **kwargs):
         jitted = original(fun, *args, **kwargs)
@@ -419,7 +419,7 @@ def test_central_storage_evaluate_group_returns_its_host_weights_uncopied(
 
         return call
 
-    monkeypatch.setitem(_input._originals, "jit", recording_jit)
+    monkeypatch.setitem(_loop._originals, "jit", recording_jit)
     strategy = STRATEGIES["central_storage"]()
     x, y, _ = make_data(64, seed=0)
     with strategy.scope():
