@@ -17,7 +17,7 @@ returns its input — nothing is divided twice.
 import jax
 import jax.numpy as jnp
 
-from keras_dist.strategies._replica_context import in_replica_context
+from keras_dist.strategies.replica._replica_context import in_replica_context
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 

@@ -3,7 +3,7 @@
 Pass one to `kd.ParameterServerStrategy(variable_partitioner=...)`.
 """
 
-from keras_dist.strategies._partitioners import (
+from keras_dist.strategies.state._partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

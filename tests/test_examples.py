@@ -269,8 +269,8 @@ def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
         assert road == ["seams", "input", "training", "strategies"], path
         assert f"{path}: {result['file_count']} keras_dist files" in out
     # The host path reads, pads and lays out each batch; the resident one not.
-    assert "keras_dist/data/_pipeline.py" in by_path["tf.data"]["files"]
-    assert "keras_dist/data/_pipeline.py" not in by_path["numpy"]["files"]
+    assert "keras_dist/data/host/_pipeline.py" in by_path["tf.data"]["files"]
+    assert "keras_dist/data/host/_pipeline.py" not in by_path["numpy"]["files"]
     # The host path's batches are produced ahead, laid out last.
     assert by_path["tf.data"]["producer_sequence_of_one_batch"] == [
         "input",

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist.data._partial_batch import PaddedBatch
-from keras_dist.strategies._host_memory import HOST
+from keras_dist.strategies.state._host_memory import HOST
 from tests._helpers import assert_weights_close
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

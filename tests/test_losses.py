@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.data._pipeline import element
+from keras_dist.data.host._pipeline import element
 from tests._helpers import mirrored
 from tests.conftest import REPLICA_COUNTS
 

@@ -12,7 +12,7 @@ API cannot express are done here, on Keras's JAX trainer
    `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
    split evenly over the replicas it raises (keras#21167). While one of its
    strategies is current, keras_dist hands both to its input pipeline
-   (`data/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
+   (`data/host/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
    `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
    is a `StepProgram` (`training/_step.py`, the one step wrapper: it cuts a
    `PaddedBatch` back to its real rows first), and wraps

@@ -1,7 +1,7 @@
 """Seams on Keras's data adapters: what keras_dist reads from them, and changes.
 
 **In-memory arrays as a device-resident dataset** (`resident_pass`,
-`data/_resident.py`). Reads the private parts of Keras's `ArrayDataAdapter`
+`data/resident/_resident.py`). Reads the private parts of Keras's `ArrayDataAdapter`
 that the public API does not show: its arrays (`_inputs`, converted as Keras
 converts them for JAX, `array_slicing.convert_to_sliceable`) and its
 batching (`_get_iterator`), which is run with a slicing function that
@@ -30,10 +30,10 @@ from keras.src import tree
 from keras.src.trainers.data_adapters import array_slicing
 
 from keras_dist.data import _call
-from keras_dist.data._auto_shard import per_process_share
-from keras_dist.data._resident import ResidentPass
-from keras_dist.data._resident_data import lay_out_resident, resident_layout
 from keras_dist.data._target import InputTarget
+from keras_dist.data.host._auto_shard import per_process_share
+from keras_dist.data.resident._resident import ResidentPass
+from keras_dist.data.resident._resident_data import lay_out_resident, resident_layout
 from keras_dist.strategies._base import Strategy
 
 __all__ = [

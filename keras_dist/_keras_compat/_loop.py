@@ -56,8 +56,8 @@ from keras_dist._keras_compat._adapters import (
 )
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist.data import _call
-from keras_dist.data._auto_shard import is_per_process
-from keras_dist.data._pipeline import InputPass, keras_batch
+from keras_dist.data.host._auto_shard import is_per_process
+from keras_dist.data.host._pipeline import InputPass, keras_batch
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
 from keras_dist.training._fused_steps import FusedSteps

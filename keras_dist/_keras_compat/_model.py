@@ -14,7 +14,7 @@ from keras_dist._keras_compat._processes import prepare_call
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._ownership import (
+from keras_dist.strategies.state._ownership import (
     model_variables,
     strategy_of_model,
     strategy_of_variable,

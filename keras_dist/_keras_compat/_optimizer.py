@@ -24,7 +24,7 @@ from collections.abc import Callable
 import keras
 
 from keras_dist.strategies._base import Strategy, strategy_of_variable
-from keras_dist.strategies._replica_context import in_replica_context, varies
+from keras_dist.strategies.replica._replica_context import in_replica_context, varies
 
 __all__ = ["_add_variable_from_reference", "_check_finite", "_stateless_apply"]
 

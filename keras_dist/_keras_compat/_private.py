@@ -12,7 +12,7 @@ This module lists the rest, so that the fence is whole:
   found in the source of the class or one of its bases.
 - `TF_PRIVATE_ATTRIBUTES`: the same for tf.data's classes. Checked when
   TensorFlow is already imported (keras_dist never imports it itself at
-  import time); `data/_tf_data.py` treats a missing one as "unknown".
+  import time); `data/host/_tf_data.py` treats a missing one as "unknown".
 - `SIGNATURES`: the parameters each wrapped function was written for.
 
 `check()` fails loudly (an `ImportError` naming the missing names) when a

@@ -8,7 +8,7 @@ variable's layout — unless the variable is at least 250 MiB times the mesh siz
 value (a loaded checkpoint) to an array on the default device first. Under a
 keras_dist strategy, a variable the strategy splits is instead initialized by
 the initializer compiled with the variable's sharding as output (each device
-computes its part; `strategies/_split_values.py`) and assigned NumPy values
+computes its part; `strategies/state/_split_values.py`) and assigned NumPy values
 go from the host straight to their parts. Replicated variables keep Keras's
 path (no compilation per variable).
 
@@ -58,8 +58,8 @@ from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
 from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
-from keras_dist.strategies._ownership import is_strategy, strategy_of_variable
-from keras_dist.strategies._split_values import (
+from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
+from keras_dist.strategies.state._split_values import (
     compute_split,
     fill_split,
     put_split,

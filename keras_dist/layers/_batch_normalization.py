@@ -13,7 +13,7 @@ from keras_dist.layers._replica_moments import (
     row_shape,
     weighted_moments,
 )
-from keras_dist.strategies._replica_context import (
+from keras_dist.strategies.replica._replica_context import (
     AXIS,
     ReplicaContext,
     in_replica_context,

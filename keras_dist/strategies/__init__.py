@@ -2,7 +2,6 @@
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies._central_storage import CentralStorageStrategy
-from keras_dist.strategies._memory_report import MemoryReport, VariableMemory
 from keras_dist.strategies._mirrored import MirroredStrategy
 from keras_dist.strategies._multi_worker import (
     CommunicationOptions,
@@ -10,9 +9,13 @@ from keras_dist.strategies._multi_worker import (
 )
 from keras_dist.strategies._one_device import OneDeviceStrategy
 from keras_dist.strategies._parameter_server import ParameterServerStrategy
-from keras_dist.strategies._replica_context import ReplicaContext, get_replica_context
 from keras_dist.strategies._tpu import TPUStrategy
-from keras_dist.strategies._values import PerReplica, ReduceOp
+from keras_dist.strategies.replica._replica_context import (
+    ReplicaContext,
+    get_replica_context,
+)
+from keras_dist.strategies.replica._values import PerReplica, ReduceOp
+from keras_dist.strategies.state._memory_report import MemoryReport, VariableMemory
 
 __all__ = [
     "CentralStorageStrategy",

@@ -12,13 +12,14 @@ from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
-from keras_dist.strategies import _cross_replica, _ownership, _run
-from keras_dist.strategies._devices import device_name
-from keras_dist.strategies._memory_report import MemoryReport, memory_report
-from keras_dist.strategies._placement import Pacer
-from keras_dist.strategies._resident_placement import ResidentPlacement
-from keras_dist.strategies._state_layout import StateLayout
-from keras_dist.strategies._values import ReduceOp
+from keras_dist.strategies.devices._devices import device_name
+from keras_dist.strategies.devices._placement import Pacer
+from keras_dist.strategies.devices._resident_placement import ResidentPlacement
+from keras_dist.strategies.replica import _cross_replica, _run
+from keras_dist.strategies.replica._values import ReduceOp
+from keras_dist.strategies.state import _ownership
+from keras_dist.strategies.state._memory_report import MemoryReport, memory_report
+from keras_dist.strategies.state._state_layout import StateLayout
 
 __all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
 

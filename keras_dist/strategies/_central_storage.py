@@ -7,15 +7,15 @@ from collections.abc import Sequence
 import jax
 
 from keras_dist.errors import DeviceNotFoundError
-from keras_dist.strategies import _host_memory
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._devices import (
+from keras_dist.strategies.devices._devices import (
     device_name,
     resolve_device,
     resolve_devices,
     visible_devices,
 )
-from keras_dist.strategies._state_layout import HostMemoryStateLayout
+from keras_dist.strategies.state import _host_memory
+from keras_dist.strategies.state._state_layout import HostMemoryStateLayout
 
 __all__ = ["CentralStorageStrategy"]
 

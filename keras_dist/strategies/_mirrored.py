@@ -5,8 +5,8 @@ from collections.abc import Sequence
 import jax
 
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._devices import resolve_devices
-from keras_dist.strategies._state_layout import sharded_option, sharded_state
+from keras_dist.strategies.devices._devices import resolve_devices
+from keras_dist.strategies.state._state_layout import sharded_option, sharded_state
 
 __all__ = ["MirroredStrategy"]
 

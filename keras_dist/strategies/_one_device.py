@@ -3,7 +3,7 @@
 import jax
 
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._devices import resolve_device
+from keras_dist.strategies.devices._devices import resolve_device
 
 __all__ = ["OneDeviceStrategy"]
 

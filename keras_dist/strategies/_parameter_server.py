@@ -5,9 +5,9 @@ from collections.abc import Callable
 
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
-from keras_dist.strategies._join import global_devices, join_cluster
-from keras_dist.strategies._partitioners import FixedShardsPartitioner
-from keras_dist.strategies._state_layout import PartitionedStateLayout
+from keras_dist.strategies.devices._join import global_devices, join_cluster
+from keras_dist.strategies.state._partitioners import FixedShardsPartitioner
+from keras_dist.strategies.state._state_layout import PartitionedStateLayout
 
 __all__ = ["ParameterServerStrategy"]
 

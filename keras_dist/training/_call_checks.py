@@ -12,7 +12,7 @@ worked is never refused):
   `StopIteration`, or `UnboundLocalError` from `predict`); empty passes of
   other inputs are refused by the input pipeline under a strategy;
 - no targets for a loss that needs them, and sparse labels outside the
-  model's output (`data/_batch_checks.py`); `class_weight` keys that are no
+  model's output (`data/checks/_batch_checks.py`); `class_weight` keys that are no
   class of the output. The returned batch check carries the targets checks
   to every batch the input pipeline reads (datasets, generators).
 """
@@ -25,13 +25,13 @@ import jax
 import numpy as np
 
 from keras_dist._checks import check_int
-from keras_dist.data._batch_checks import (
+from keras_dist.data.checks._batch_checks import (
     BatchTargets,
     missing_targets_error,
     needs_targets,
     sparse_labels,
 )
-from keras_dist.data._tf_data import cardinality, is_tf_dataset
+from keras_dist.data.host._tf_data import cardinality, is_tf_dataset
 
 __all__ = ["check_call"]
 

@@ -34,7 +34,7 @@ import jax
 
 from keras_dist.data import _call, _partial_batch
 from keras_dist.data._replica_rows import layout_of, replica_rows
-from keras_dist.data._resident_batch import ResidentTuple, gathered
+from keras_dist.data.resident._resident_batch import ResidentTuple, gathered
 from keras_dist.strategies._base import Strategy
 
 __all__ = ["StepProgram", "TimedStep"]

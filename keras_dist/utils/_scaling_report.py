@@ -8,8 +8,8 @@ import jax
 import keras
 
 from keras_dist.data import _call
-from keras_dist.strategies._memory_report import MemoryReport
-from keras_dist.strategies._ownership import strategy_of_model
+from keras_dist.strategies.state._memory_report import MemoryReport
+from keras_dist.strategies.state._ownership import strategy_of_model
 from keras_dist.utils._step_breakdown import (
     Interval,
     Tally,

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from keras_dist.data._pipeline import Prefetcher
+from keras_dist.data.host._pipeline import Prefetcher
 from tests._helpers import mirrored
 from tests.conftest import REPLICA_COUNTS
 

@@ -5,7 +5,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.errors import DeviceNotFoundError
-from keras_dist.strategies._devices import resolve_device, resolve_devices
+from keras_dist.strategies.devices._devices import resolve_device, resolve_devices
 
 CPU = jax.local_devices(backend="cpu")
 

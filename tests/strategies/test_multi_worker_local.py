@@ -7,8 +7,8 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from keras_dist.data import _auto_shard
 from keras_dist.data._partial_batch import real_mask, real_rows_in, take_real
+from keras_dist.data.host import _auto_shard
 from tests._helpers import (
     assert_weights_close,
     build_in_scope,

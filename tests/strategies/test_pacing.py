@@ -1,4 +1,4 @@
-"""Programs in flight on CPU devices are bounded (`strategies/_placement.py`).
+"""Programs in flight on CPU devices are bounded (`strategies/devices/_placement.py`).
 
 XLA:CPU admits 32 programs in flight per device; when fast steps with an
 all-reduce fill that, it can deadlock and abort the process after 40 s. On
@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 import keras_dist as kd
-from keras_dist.strategies._placement import DEPTH, Pacer
+from keras_dist.strategies.devices._placement import DEPTH, Pacer
 
 SCRIPT = pathlib.Path(__file__).with_name("pacing_script.py")
 

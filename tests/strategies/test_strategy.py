@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.data._pipeline import keras_batch
+from keras_dist.data.host._pipeline import keras_batch
 from keras_dist.errors import StrategyMismatchError
 from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 from tests.conftest import REPLICA_COUNTS

@@ -9,8 +9,8 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.data import _call
-from keras_dist.data._resident import ResidentPass
-from keras_dist.data._resident_data import lay_out_resident
+from keras_dist.data.resident._resident import ResidentPass
+from keras_dist.data.resident._resident_data import lay_out_resident
 from tests._helpers import (
     build_in_scope,
     compile_model,

@@ -4,8 +4,8 @@ import dataclasses
 
 import numpy as np
 
-from keras_dist.strategies._parts import StrategyParts
-from keras_dist.strategies._placement import BATCH_AXIS
+from keras_dist.strategies.devices._placement import BATCH_AXIS
+from keras_dist.strategies.replica._parts import StrategyParts
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
 

@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.data import _sparse
 from keras_dist.data._input_context import InputOptions
+from keras_dist.data.host import _sparse
 
 __all__ = ["BATCH_AXIS", "DEPTH", "Pacer", "Placement"]
 
@@ -99,7 +99,7 @@ class Placement:
     A collaborator every `Strategy` owns (`strategy.placement`), not a mixin,
     and the strategy as the input layer sees it: it implements
     `keras_dist/data/_target.InputTarget`, and the input pipeline
-    (`keras_dist/data/_pipeline.py`) talks to nothing else of a strategy.
+    (`keras_dist/data/host/_pipeline.py`) talks to nothing else of a strategy.
     The pipeline reads, checks and pads batches; the placement says which
     rows live on this process (`process_rows`) and lays them out over the
     mesh (`shard`). Device-resident datasets: `_resident_placement`.

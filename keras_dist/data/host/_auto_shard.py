@@ -18,7 +18,7 @@ import weakref
 from typing import Any
 
 from keras_dist.data._target import InputTarget
-from keras_dist.data._tf_data import is_tf_dataset
+from keras_dist.data.host._tf_data import is_tf_dataset
 
 __all__ = [
     "AutoShardPolicy",

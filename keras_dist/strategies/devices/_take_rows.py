@@ -1,6 +1,6 @@
 """Rows of a device-resident dataset, taken on the devices by index or by block.
 
-A device-resident dataset (`keras_dist/data/_resident.py`) that `fit`
+A device-resident dataset (`keras_dist/data/resident/_resident.py`) that `fit`
 shuffles and a device can hold is copied once to every device of the mesh
 (one too big to copy is split by rows, and each pass laid out as blocks:
 `_exchange.py`). A step's global batch

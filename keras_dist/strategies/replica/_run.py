@@ -31,14 +31,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist.data._partial_batch import num_real_of
-from keras_dist.strategies._parts import StrategyParts
-from keras_dist.strategies._replica_context import (
+from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.replica._replica_context import (
     AXIS,
     ReplicaContext,
     replica_context,
     varies,
 )
-from keras_dist.strategies._values import (
+from keras_dist.strategies.replica._values import (
     PerReplica,
     foreign_batch_mesh,
     foreign_mesh,

@@ -59,9 +59,9 @@ import numpy as np
 from keras_dist.data._batch_group import BatchGroup
 from keras_dist.data._call import CallState
 from keras_dist.data._partial_batch import round_up
-from keras_dist.data._resident_batch import ResidentBatch, keras_form
-from keras_dist.data._resident_data import ResidentData
 from keras_dist.data._target import InputTarget
+from keras_dist.data.resident._resident_batch import ResidentBatch, keras_form
+from keras_dist.data.resident._resident_data import ResidentData
 
 __all__ = ["PassLayout", "ResidentPass", "lay_out_pass", "not_blocks"]
 

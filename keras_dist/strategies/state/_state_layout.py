@@ -21,8 +21,8 @@ import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.strategies import _host_memory
-from keras_dist.strategies._sharding import (
+from keras_dist.strategies.state import _host_memory
+from keras_dist.strategies.state._sharding import (
     ShardPlan,
     plan_by_partitioner,
     plan_largest_divisible,

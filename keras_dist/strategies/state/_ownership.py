@@ -3,7 +3,7 @@
 import weakref
 from typing import Any
 
-from keras_dist.strategies._parts import StrategyParts
+from keras_dist.strategies.replica._parts import StrategyParts
 
 __all__ = [
     "is_strategy",

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import keras
 
 from keras_dist.data._partial_batch import real_mask, total_real
-from keras_dist.strategies import _ownership
-from keras_dist.strategies._parts import StrategyParts
-from keras_dist.strategies._values import ReduceOp
+from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.replica._values import ReduceOp
+from keras_dist.strategies.state import _ownership
 
 __all__ = ["ReplicaContext", "get_replica_context"]
 

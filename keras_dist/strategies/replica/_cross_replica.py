@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist.data._partial_batch import num_real_of, take_real
-from keras_dist.strategies._parts import StrategyParts
-from keras_dist.strategies._replica_context import in_replica_context
-from keras_dist.strategies._values import (
+from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.replica._replica_context import in_replica_context
+from keras_dist.strategies.replica._values import (
     PerReplica,
     ReduceOp,
     concat_replicas,

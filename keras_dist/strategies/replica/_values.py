@@ -8,10 +8,10 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from keras_dist.data._partial_batch import NumReal, real_rows_in
-from keras_dist.strategies import _ownership
-from keras_dist.strategies._devices import device_name
-from keras_dist.strategies._parts import StrategyParts
-from keras_dist.strategies._placement import BATCH_AXIS
+from keras_dist.strategies.devices._devices import device_name
+from keras_dist.strategies.devices._placement import BATCH_AXIS
+from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.state import _ownership
 
 __all__ = ["PerReplica", "ReduceOp"]
 

@@ -12,8 +12,8 @@ from typing import Protocol
 import jax
 import keras
 
-from keras_dist.strategies._placement import Pacer, Placement
-from keras_dist.strategies._state_layout import StateLayout
+from keras_dist.strategies.devices._placement import Pacer, Placement
+from keras_dist.strategies.state._state_layout import StateLayout
 
 __all__ = ["StrategyParts"]
 

@@ -39,13 +39,6 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _call
-from keras_dist.data._batch_checks import BatchSignature
-from keras_dist.data._multi_process import (
-    ProcessBlocks,
-    check_pass_end,
-    check_pass_start,
-    global_rows,
-)
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
@@ -53,8 +46,15 @@ from keras_dist.data._partial_batch import (
     pad_rows,
     round_up,
 )
-from keras_dist.data._sparse import is_leaf, is_sparse
 from keras_dist.data._target import InputTarget
+from keras_dist.data.checks._batch_checks import BatchSignature
+from keras_dist.data.host._multi_process import (
+    ProcessBlocks,
+    check_pass_end,
+    check_pass_start,
+    global_rows,
+)
+from keras_dist.data.host._sparse import is_leaf, is_sparse
 
 __all__ = ["InputPass", "Prefetcher", "element", "keras_batch"]
 

@@ -1,6 +1,6 @@
 """Device-resident datasets on a strategy's mesh: placed once, taken in the step.
 
-The placement side of `keras_dist/data/_resident.py`: a dataset copied to
+The placement side of `keras_dist/data/resident/_resident.py`: a dataset copied to
 every device (`place_dataset`), split over the replicas as blocks of
 batches (`place_blocks`), or split by rows (`place_rows`) with each pass
 laid out as blocks from them (`exchange_rows`, the program in
@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist.strategies._exchange import exchange, plan_exchange
-from keras_dist.strategies._placement import Placement, _as_array, _place
-from keras_dist.strategies._take_rows import take_block, take_rows
+from keras_dist.strategies.devices._exchange import exchange, plan_exchange
+from keras_dist.strategies.devices._placement import Placement, _as_array, _place
+from keras_dist.strategies.devices._take_rows import take_block, take_rows
 
 __all__ = ["ResidentPlacement"]
 
