@@ -385,16 +385,12 @@ class Prefetcher:
             self._thread.start()
         item = self._queue.get()
         if item is _END:
-            self._finish()
+            self.close()
             raise StopIteration
         if isinstance(item, _Failure):
-            self._finish()
+            self.close()
             raise item.error
         return item
-
-    def _finish(self) -> None:
-        self._done = True
-        self._close()
 
     def close(self) -> None:
         """Stops and joins the thread; later `next()` calls end the iteration."""
