@@ -97,7 +97,7 @@ def _blocks(adapter: Any, strategy: InputTarget) -> int | None:
     """The batch size, when every pass reads the data in order in full batches.
 
     Then the data is laid out as blocks split over the replicas, 1/replicas
-    of it on each device (`Strategy.place_blocks`), instead of a copy on
+    of it on each device (`Placement.place_blocks`), instead of a copy on
     every device: `evaluate`, `predict`, validation data, `fit(shuffle=False)`.
     """
     size = adapter._batch_size
@@ -115,7 +115,7 @@ def _splittable(adapter: Any, strategy: InputTarget) -> bool:
     """Whether the data can be split over the replicas by rows (`ROWS`).
 
     What `fit` shuffles whole: each pass (epoch) then lays its batches out
-    from the rows once (`Strategy.exchange_rows`). Keras draws a
+    from the rows once (`Placement.exchange_rows`). Keras draws a
     `shuffle="batch"` order as it reads each batch, with no pass to lay out
     ahead.
     """

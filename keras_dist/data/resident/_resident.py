@@ -6,23 +6,23 @@ per-step host work of a small model. When the strategy's
 `input_options.device_resident` allows it (by default: when what a device
 would hold takes at most `device_resident_budget` bytes;
 `_resident_data.resident_layout`), the whole dataset is copied to every
-device once instead (`Strategy.place_dataset`), and each step sends only the
+device once instead (`Placement.place_dataset`), and each step sends only the
 step's row indices: inside the step, each replica gathers its rows of the
-global batch from its own copy, with no communication (`Strategy.take_rows`,
+global batch from its own copy, with no communication (`Placement.take_rows`,
 `_resident_batch.ResidentBatch`).
 
 A dataset only ever read in its own order (`evaluate`, `predict`, the
 validation data, `fit(shuffle=False)`) is not copied to every device: its
 full batches are laid out as blocks split over the replicas
-(`Strategy.place_blocks`), so each device holds 1/replicas of it, and a
+(`Placement.place_blocks`), so each device holds 1/replicas of it, and a
 step takes its block; the rows of a partial last batch, fewer than a batch,
 are copied to every device and gathered as above.
 
 A dataset `fit` shuffles (`shuffle=True`) whose copy is over the budget,
 when asked for on the devices (`device_resident=True`), is not copied
-either: its rows are split over the replicas (`Strategy.place_rows`), and at
+either: its rows are split over the replicas (`Placement.place_rows`), and at
 its first batch a pass (an epoch) lays all its batches out from them at
-once, in its order, as blocks (`Strategy.exchange_rows`: one program, each
+once, in its order, as blocks (`Placement.exchange_rows`: one program, each
 row moved once); each step then takes its block, as in order
 (`_resident_data.resident_layout` chooses).
 
@@ -34,15 +34,15 @@ zero rows) and travels as a `PaddedBatch` that the step cuts.
 
 **What a pass lays out when it starts.** A `ResidentPass` that may read
 ahead reads all its index batches at its first batch and lays out, at once,
-what its steps then name with kept step numbers (`Strategy.step_numbers`),
+what its steps then name with kept step numbers (`Placement.step_numbers`),
 so that a step transfers nothing:
 
 - over a copied dataset: its leading full batches' indices, as one table
-  (`Strategy.shard_steps`); a step number names a row of it;
+  (`Placement.shard_steps`); a step number names a row of it;
 - over blocks (a dataset read only in its order): nothing; a step number
   names a block, and the pass must be those blocks, in order;
 - over rows split over the replicas (shuffled): every batch of the pass, as
-  blocks in the pass's order (`Strategy.exchange_rows`), the leading full
+  blocks in the pass's order (`Placement.exchange_rows`), the leading full
   batches as one array and each batch after them (a partial last batch,
   padded) as its own.
 """
@@ -71,7 +71,7 @@ class ResidentPass:
 
     With `read_ahead`, the pass reads all its index batches when its first
     batch is asked for, and lays out at once what its steps then name with
-    a number already on the devices (`Strategy.step_numbers`), transferring
+    a number already on the devices (`Placement.step_numbers`), transferring
     nothing: a table of the full batches' indices, or blocks
     (`lay_out_pass`). Without it (Keras draws a batch's order
     when the batch is read: `shuffle="batch"`), each step transfers its own
@@ -176,8 +176,8 @@ class ResidentPass:
 
         Full batches of one size: a `BatchGroup`, over rows of the pass's
         table (its varying leaf: a kept vector of the N step numbers,
-        `Strategy.step_range`), or, without a table, whose indices are laid
-        out in one transfer (`Strategy.shard_steps`). Otherwise (fewer
+        `Placement.step_range`), or, without a table, whose indices are laid
+        out in one transfer (`Placement.shard_steps`). Otherwise (fewer
         batches left, a partial batch): the batches, as `next` gives them. As
         Keras's loop: `StopIteration` when not even one batch is left.
         """
