@@ -57,6 +57,20 @@ def test_at_most_depth_programs_are_in_flight():
     assert len(pacer._in_flight) == DEPTH
 
 
+def test_reduce_and_gather_are_paced_as_run_is():
+    """A custom loop's `reduce` and `gather` each step are collectives too."""
+    strategy = kd.MirroredStrategy()
+    batch = strategy.placement.shard(np.arange(16.0, dtype="float32"))
+    doubled = strategy.run(lambda v: v * 2, args=(batch,))
+    in_flight = strategy.pacer._in_flight
+    assert in_flight[-1] is doubled.stacked  # Per-replica outputs only: paced.
+    total = strategy.reduce("sum", doubled, axis=0)
+    assert in_flight[-1] is total and float(total) == 240.0
+    gathered = strategy.gather(doubled, axis=0)
+    assert in_flight[-1] is gathered
+    np.testing.assert_array_equal(gathered, np.arange(16.0) * 2)
+
+
 def test_deleted_and_traced_outputs_are_skipped():
     pacer = Pacer(jax.devices())
     donated = jax.device_put(jnp.ones(3))

@@ -75,6 +75,9 @@ def _first_array(outputs: Any) -> jax.Array | None:
     Walks containers only until it finds one: a step's outputs begin with
     its logs, and its whole state need not be flattened every step.
     """
+    stacked = getattr(outputs, "stacked", None)  # A `PerReplica`: its array.
+    if isinstance(stacked, jax.Array):
+        outputs = stacked
     if isinstance(outputs, jax.Array):
         return outputs if hasattr(outputs, "is_deleted") else None
     if isinstance(outputs, dict):

@@ -117,10 +117,16 @@ def gather(strategy: StrategyParts, value: Any, axis: int) -> Any:
 
 
 def _everywhere(strategy: StrategyParts, result: Any) -> Any:
-    """With several processes: the whole result on every process (replicated)."""
-    if not strategy.spans_processes:
-        return result
-    return _copy_to(strategy.state_layout.replicated)(result)
+    """With several processes: the whole result on every process (replicated).
+
+    Paced as `run`'s outputs are: a custom loop's `reduce` and `gather` are
+    collectives too, dispatched every step, and on CPU devices too many of
+    them in flight abort XLA as run's would (`Pacer`).
+    """
+    if strategy.spans_processes:
+        result = _copy_to(strategy.state_layout.replicated)(result)
+    strategy.pacer.after(result)
+    return result
 
 
 @functools.cache
