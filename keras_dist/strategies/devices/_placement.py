@@ -4,25 +4,27 @@
 `Pacer` bounds how many programs the host may dispatch ahead of the devices.
 
 **At most a few programs in flight on CPU devices (XLA:CPU collective
-deadlock).** JAX dispatches a program and returns before it runs; the host can run ahead
-of the devices. On CPU devices the XLA client admits at most 32 programs in
-flight per device (a semaphore, taken when a device's part of a program is
-launched, on a thread pool). When a fast step with a collective (the
-gradients' all-reduce) fills it, a device's part of one step can wait for a
-slot while the other devices wait for it in the all-reduce: XLA then aborts
-the process ("Expected 8 threads to join the rendezvous, but only 7 of them
-arrived"). It takes a few hundred steps of a small model, and a
+deadlock).** JAX dispatches a program and returns before it runs; the host
+can run ahead of the devices. On CPU devices the XLA client admits at most
+32 programs in flight per device (a semaphore, taken when a device's part of
+a program is launched, on a thread pool). When a fast step with a collective
+(the gradients' all-reduce) fills it, a device's part of one step can wait
+for a slot while the other devices wait for it in the all-reduce: XLA then
+aborts the process ("Expected 8 threads to join the rendezvous, but only 7
+of them arrived"). It takes a few hundred steps of a small model, and a
 hand-written `jax.jit` loop hits it as Keras's loops do; a few programs in
-flight never do (the measurements: benchmarks/README.md, "Figures the
-code's design rests on"). An eager step (`run_eagerly=True`) dispatches
-many small programs and is paced as one: Keras's eager loop waits on its
-own results.
+flight never do, and the bound costs no measurable time (the measurements:
+benchmarks/README.md, "Figures the code's design rests on" and "Pacing").
+An eager step (`run_eagerly=True`) dispatches many small programs and is
+paced as one: Keras's eager loop waits on its own results.
 
-`Pacer.after(outputs)` is called with each dispatched program's outputs; on
-a strategy over more than one CPU device it then waits until the program
-`DEPTH` dispatches earlier has finished. On GPUs and TPUs it does nothing.
-Waiting for a program that finished long ago costs microseconds, and `DEPTH`
-programs in flight are still far more than the host needs to stay ahead.
+`Pacer.after(outputs)` is called with the outputs of each program the host
+dispatches every step (each step of Keras's loops, `strategy.run`,
+`reduce`, `gather`); on a strategy over more than one CPU device it then
+waits until the program `DEPTH` dispatches earlier has finished. On one
+device, GPUs and TPUs it does nothing. Waiting for a program that finished
+long ago costs microseconds, and `DEPTH` programs in flight are still far
+more than the host needs to stay ahead.
 """
 
 import collections
