@@ -11,7 +11,7 @@ from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterTimeoutError
 
-__all__ = ["initialize", "is_initialized"]
+__all__ = ["backend_started", "initialize", "is_initialized"]
 
 _STATE: dict = {}
 
@@ -21,7 +21,8 @@ def is_initialized() -> bool:
     return bool(_STATE.get("joined")) or jax.process_count() > 1
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
+    """Whether JAX has started its backends (it then knows the cluster, if any)."""
     try:
         from jax._src import xla_bridge
 
@@ -131,7 +132,7 @@ def initialize(
             "the training cluster (TF_CONFIG evaluator); it cannot join it. Run "
             "evaluation without a multi-worker strategy."
         )
-    if _backend_started():
+    if backend_started():
         raise RuntimeError(
             "JAX already started its devices in this process, so it can no longer "
             "join a cluster. Create the strategy (or call "

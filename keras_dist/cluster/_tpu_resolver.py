@@ -203,7 +203,7 @@ def _discover(tpu: str | None, devices: Sequence[Any] | None) -> tuple:
     yet: JAX must not start the TPU before `jax.distributed.initialize`."""
     if devices is not None:
         devices = _checked(devices)
-    elif not _initialize._backend_started():  # Else JAX already knows the hosts.
+    elif not _initialize.backend_started():  # Else JAX already knows the hosts.
         pod = cloud_tpu_hosts()
         if pod is not None and pod[0] > 1:
             return None, *pod

@@ -135,7 +135,7 @@ def test_a_pod_joins_before_reading_devices(monkeypatch):
     """On 4 TPU VM hosts the resolver counts them without starting the TPU,
     and `join_cluster` joins through `kd.cluster.initialize` first."""
     events = []
-    monkeypatch.setattr(_initialize, "_backend_started", lambda: False)
+    monkeypatch.setattr(_initialize, "backend_started", lambda: False)
     monkeypatch.setattr(_tpu_resolver, "cloud_tpu_hosts", lambda: (4, 2))
 
     def visible(*, tpu):

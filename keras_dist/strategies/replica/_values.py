@@ -190,14 +190,7 @@ def other_strategy_error(
     if other is None:
         # Several live strategies can share one mesh (jax interns equal
         # meshes): name the newest, the one that most likely split `leaf`.
-        other = next(
-            (
-                s
-                for s in reversed(list(_ownership._STRATEGY_OF_MESH.values()))
-                if s.mesh is mesh or s.mesh == mesh
-            ),
-            None,
-        )
+        other = _ownership.newest_strategy_on(mesh)
     if other is None:
         names = ", ".join(device_name(d) for d in mesh.devices.flat)
         other = f"a mesh of other devices ([{names}])"

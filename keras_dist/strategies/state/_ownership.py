@@ -8,6 +8,7 @@ from keras_dist.strategies.replica._parts import StrategyParts
 __all__ = [
     "is_strategy",
     "model_variables",
+    "newest_strategy_on",
     "register",
     "strategy_of_model",
     "strategy_of_variable",
@@ -25,6 +26,18 @@ def is_strategy(distribution: Any) -> bool:
     """Whether `distribution` is a keras_dist strategy (every one registers)."""
     mesh = getattr(distribution, "device_mesh", None)
     return mesh is not None and _STRATEGY_OF_MESH.get(mesh) is distribution
+
+
+def newest_strategy_on(mesh: Any):
+    """The newest live strategy over `mesh` (equal meshes are one in JAX), or None."""
+    return next(
+        (
+            s
+            for s in reversed(list(_STRATEGY_OF_MESH.values()))
+            if s.mesh is mesh or s.mesh == mesh
+        ),
+        None,
+    )
 
 
 def strategy_of_variable(variable):
