@@ -97,7 +97,7 @@ def _blocks(adapter: Any, strategy: InputTarget) -> int | None:
     """The batch size, when every pass reads the data in order in full batches.
 
     Then the data is laid out as blocks split over the replicas, 1/replicas
-    of it on each device (`Placement.place_blocks`), instead of a copy on
+    of it on each device (`Placement.lay_out_blocks`), instead of a copy on
     every device: `evaluate`, `predict`, validation data, `fit(shuffle=False)`.
     """
     size = adapter._batch_size

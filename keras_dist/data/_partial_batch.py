@@ -18,7 +18,6 @@ loss reduction stay exact. No sample is dropped and none is counted twice.
 """
 
 import functools
-import weakref
 from typing import Any
 
 import jax
@@ -38,8 +37,6 @@ __all__ = [
     "PaddedBatch",
     "as_padded_batch",
     "batch_size_of",
-    "mark_padded",
-    "num_real_of",
     "pad_rows",
     "pad_to",
     "real_mask",
@@ -242,21 +239,3 @@ def unpad(data: Any) -> Any:
             tuple(data),
         )
     )
-
-
-# Global arrays of a padded batch handed to user code (distributed datasets)
-# carry their real row count here, keyed by identity, so `Strategy.run` can
-# mask the padding without the user passing anything extra.
-_NUM_REAL: dict[int, "NumReal"] = {}
-
-
-def mark_padded(array: jax.Array, num_real: NumReal) -> None:
-    """Records which rows of `array` are real (the first `num_real`, or segments)."""
-    key = id(array)
-    _NUM_REAL[key] = num_real
-    weakref.finalize(array, _NUM_REAL.pop, key, None)
-
-
-def num_real_of(array: Any) -> "NumReal | None":
-    """The real row count recorded by `mark_padded`, or None."""
-    return _NUM_REAL.get(id(array))

@@ -40,10 +40,13 @@ class InputTarget(Protocol):
     def process_rows(self, rows: int) -> slice:
         """The rows of a global batch of `rows` rows this process holds."""
 
-    def shard(self, data: Any, rows: int | None = None) -> Any:
-        """Lays this process's (padded) rows out over the mesh."""
+    def lay_out(
+        self, data: Any, rows: int | None = None, *, num_real: Any = None
+    ) -> Any:
+        """Lays this process's (padded) rows out over the mesh; with
+        `num_real`, each array carries its real rows."""
 
-    def shard_steps(self, data: Any) -> Any:
+    def lay_out_steps(self, data: Any) -> Any:
         """Lays out the batches of several steps, stacked (steps, rows, ...)."""
 
     def step_numbers(self, count: int) -> list:
@@ -56,23 +59,23 @@ class InputTarget(Protocol):
     def input_options(self) -> InputOptions:
         """How `fit`/`evaluate`/`predict` bring their input to the devices."""
 
-    def place_dataset(self, data: Any) -> Any:
+    def lay_out_dataset(self, data: Any) -> Any:
         """Copies a whole dataset to every device (one process), for `take_rows`."""
 
-    def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
+    def lay_out_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
         """A dataset read in order as blocks split over the replicas, and its tail."""
 
-    def place_rows(self, data: Any) -> tuple[Any, int]:
+    def lay_out_rows(self, data: Any) -> tuple[Any, int]:
         """A dataset split over the replicas by rows, and the rows each holds."""
 
     def exchange_rows(
         self, rows: list, replica_rows: int, batches: list
     ) -> list[list[Any]]:
-        """Groups of batches of `place_rows`'s rows, laid out as blocks."""
+        """Groups of batches of `lay_out_rows`'s rows, laid out as blocks."""
 
     def take_rows(self, dataset: list, indices: Any, *, blocked: bool = False) -> list:
         """Rows `indices` of a placed dataset, gathered on the devices.
 
-        With `blocked`, the dataset is `place_blocks`'s blocks and `indices`
+        With `blocked`, the dataset is `lay_out_blocks`'s blocks and `indices`
         a step number: that block.
         """

@@ -48,7 +48,7 @@ class Strategy(keras.distribution.DataParallel):
     Attributes:
         placement: where this strategy's data goes, and what the input
             pipeline talks to (a `Placement`): lays batches out over the mesh
-            (`shard`), says which rows live on this process, places
+            (`lay_out`), says which rows live on this process, places
             device-resident datasets, paces the programs in flight. Input
             machinery: a user passes data to `fit` or
             `experimental_distribute_dataset`.
@@ -316,40 +316,41 @@ class Strategy(keras.distribution.DataParallel):
     __str__ = __repr__
 
 
-# Input machinery that was public on every strategy: now `strategy.placement`'s.
-_MOVED_TO_PLACEMENT = (
-    "shard",
-    "shard_steps",
-    "process_rows",
-    "step_numbers",
-    "step_range",
-    "place_dataset",
-    "place_blocks",
-    "place_rows",
-    "exchange_rows",
-    "take_rows",
-)
+# Input machinery that was public on every strategy: now `strategy.placement`'s,
+# where laying data out has one verb (`lay_out_*`).
+_MOVED_TO_PLACEMENT = {
+    "shard": "lay_out",
+    "shard_steps": "lay_out_steps",
+    "process_rows": "process_rows",
+    "step_numbers": "step_numbers",
+    "step_range": "step_range",
+    "place_dataset": "lay_out_dataset",
+    "place_blocks": "lay_out_blocks",
+    "place_rows": "lay_out_rows",
+    "exchange_rows": "exchange_rows",
+    "take_rows": "take_rows",
+}
 
 
-def _moved_to_placement(name: str) -> Callable:
+def _moved_to_placement(name: str, new_name: str) -> Callable:
     def moved(self, *args, **kwargs):
         warnings.warn(
             f"`strategy.{name}` is input machinery and moved to "
-            f"`strategy.placement.{name}`; the strategy's own `{name}` will be "
-            "removed in a later release. To split data over the replicas, pass "
-            "it to `fit` or `strategy.experimental_distribute_dataset`.",
+            f"`strategy.placement.{new_name}`; the strategy's own `{name}` will "
+            "be removed in a later release. To split data over the replicas, "
+            "pass it to `fit` or `strategy.experimental_distribute_dataset`.",
             DeprecationWarning,
             stacklevel=2,
         )
-        return getattr(self.placement, name)(*args, **kwargs)
+        return getattr(self.placement, new_name)(*args, **kwargs)
 
     moved.__name__ = moved.__qualname__ = name
-    moved.__doc__ = f"Deprecated: use `strategy.placement.{name}`."
+    moved.__doc__ = f"Deprecated: use `strategy.placement.{new_name}`."
     return moved
 
 
-for _name in _MOVED_TO_PLACEMENT:
-    setattr(Strategy, _name, _moved_to_placement(_name))
+for _name, _new_name in _MOVED_TO_PLACEMENT.items():
+    setattr(Strategy, _name, _moved_to_placement(_name, _new_name))
 
 
 def _check_same_variable(variable) -> None:

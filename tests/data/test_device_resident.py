@@ -104,13 +104,13 @@ def test_resident_equals_host_path_and_keras(resident, shuffle, batch_size):
 
 
 class _Transfers:
-    """Counts a strategy's index transfers: one batch (`shard`) or many.
+    """Counts a strategy's index transfers: one batch (`lay_out`) or many.
 
     And its pass layouts from rows split over the replicas (`exchange_rows`).
     """
 
     def __init__(self, strategy):
-        self.counts = {"shard": 0, "shard_steps": 0, "exchange_rows": 0}
+        self.counts = {"lay_out": 0, "lay_out_steps": 0, "exchange_rows": 0}
         target = strategy.placement  # What the input pipeline lays out with.
         for name in self.counts:
             setattr(target, name, self._counting(name, getattr(target, name)))
@@ -129,14 +129,14 @@ class _Transfers:
         # A pass: its full batches in one table; the partial batch alone.
         # (Before the first epoch, Keras reads one batch of a pass of its
         # own to build the model's metrics: one more pass.)
-        (True, True, {"shard": 3, "shard_steps": 4, "exchange_rows": 0}),
+        (True, True, {"lay_out": 3, "lay_out_steps": 4, "exchange_rows": 0}),
         # Split by rows: a pass lays all its batches out from the rows at
         # once; no indices to transfer.
-        ("split", True, {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
+        ("split", True, {"lay_out": 0, "lay_out_steps": 0, "exchange_rows": 4}),
         # In the dataset's order: no table; a step number names a block.
-        (True, False, {"shard": 3, "shard_steps": 0, "exchange_rows": 0}),
+        (True, False, {"lay_out": 3, "lay_out_steps": 0, "exchange_rows": 0}),
         # Keras draws each batch's order as it reads it: one by one.
-        (True, "batch", {"shard": 16, "shard_steps": 0, "exchange_rows": 0}),
+        (True, "batch", {"lay_out": 16, "lay_out_steps": 0, "exchange_rows": 0}),
     ],
 )
 def test_a_pass_lays_out_its_indices_once(resident, shuffle, want):
@@ -153,8 +153,8 @@ def test_a_pass_lays_out_its_indices_once(resident, shuffle, want):
 @pytest.mark.parametrize(
     "resident, want",
     [
-        (True, {"shard": 3, "shard_steps": 4, "exchange_rows": 0}),
-        ("split", {"shard": 0, "shard_steps": 0, "exchange_rows": 4}),
+        (True, {"lay_out": 3, "lay_out_steps": 4, "exchange_rows": 0}),
+        ("split", {"lay_out": 0, "lay_out_steps": 0, "exchange_rows": 4}),
     ],
 )
 def test_a_fused_group_names_its_table_rows_with_one_kept_vector(resident, want):

@@ -1,9 +1,11 @@
 """experimental_distribute_dataset, distribute_datasets_from_function, prefetch."""
 
+import copy
 import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -192,3 +194,32 @@ def test_without_fetch_to_device():
     )
     labels = [strategy.gather(b[1], 0) for b in dist]
     np.testing.assert_array_equal(np.concatenate(labels), y)
+
+
+def test_a_padded_batch_carries_its_real_rows_wherever_user_code_puts_it():
+    # The real-row count lives on each array of the element, not in a table
+    # keyed by identity: user containers keep it, a new array does not get it.
+    strategy = mirrored(8)
+    x, y = _data(13)  # Batches of 8 and 5 rows: the second is padded to 8.
+    dist = strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    )
+    _, (last_x, last_y) = list(dist)
+    assert last_x.shape == (8, 2)
+    repacked = {"features": [last_x], "labels": copy.copy((last_y,))}
+    gathered = strategy.gather(repacked, axis=0)
+    np.testing.assert_array_equal(gathered["features"][0], x[8:])
+    np.testing.assert_array_equal(gathered["labels"][0], y[8:])
+
+    def mean_of_ones(labels):
+        return kd.losses.compute_average_loss(jnp.ones(labels.shape[0]))
+
+    # Divided by the 5 real rows: the replicas' sums add up to exactly 1.
+    total = strategy.reduce(
+        "sum", strategy.run(mean_of_ones, args=(repacked["labels"][0],)), axis=None
+    )
+    np.testing.assert_allclose(float(total), 1.0, rtol=1e-6)
+    fresh = jax.device_put(np.asarray(last_x), last_x.sharding)
+    assert strategy.gather(fresh, axis=0).shape == (8, 2)
+    local = strategy.experimental_local_results(last_y)
+    assert [int(v.shape[0]) for v in local] == [1, 1, 1, 1, 1, 0, 0, 0]

@@ -35,7 +35,9 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
         np.arange(70 * 3, dtype=np.float32).reshape(70, 3),
         np.arange(70, dtype=np.int32) * 10,
     ]
-    blocks, tail = strategy.placement.place_blocks(data, 16)  # 4 batches of 16, 6 rows.
+    blocks, tail = strategy.placement.lay_out_blocks(
+        data, 16
+    )  # 4 batches of 16, 6 rows.
     for block, rows in zip(blocks, data, strict=True):
         assert block.shape == (4, 16, *rows.shape[1:])
         for shard in block.addressable_shards:  # Its rows of every batch.
@@ -45,9 +47,9 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
         assert part.sharding.is_fully_replicated
     step = strategy.placement.step_numbers(3)[2]  # Batch 2: rows 32-47.
     taken = strategy.placement.take_rows(blocks, step, blocked=True)
-    placed = strategy.placement.place_dataset(data)
+    placed = strategy.placement.lay_out_dataset(data)
     gathered = strategy.placement.take_rows(
-        placed, strategy.placement.shard(np.arange(32, 48))
+        placed, strategy.placement.lay_out(np.arange(32, 48))
     )
     for got, want, rows in zip(taken, gathered, data, strict=True):
         np.testing.assert_array_equal(got, rows[32:48])
@@ -63,7 +65,7 @@ def test_blocks_hold_each_replicas_rows_and_take_a_batch_as_indices_would(device
     by_index = jax.make_jaxpr(lambda i: strategy.placement.take_rows(placed, i))
     assert has_primitive(by_index(np.arange(16, dtype=np.int32)).jaxpr, "gather")
     with pytest.raises(ValueError, match="batch_rows=12 for 8 replicas"):
-        mirrored(8).placement.place_blocks(data, 12)
+        mirrored(8).placement.lay_out_blocks(data, 12)
 
 
 @pytest.mark.parametrize("devices", [1, 2, 8])
@@ -73,7 +75,7 @@ def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
         np.arange(70 * 3, dtype=np.float32).reshape(70, 3) + 1,
         np.arange(70, dtype=np.int32) * 10 + 1,
     ]
-    split, replica_rows = strategy.placement.place_rows(data)
+    split, replica_rows = strategy.placement.lay_out_rows(data)
     assert replica_rows == -(-70 // devices)
     for array, rows in zip(split, data, strict=True):  # Padded with zeros.
         assert array.shape == (replica_rows * devices, *rows.shape[1:])
@@ -94,10 +96,10 @@ def test_split_rows_lay_a_shuffled_pass_out_as_blocks(devices):
     for block, rows in zip(last, data, strict=True):
         np.testing.assert_array_equal(block[0, :6], rows[order[64:]])
         assert not np.asarray(block[0, 6:]).any()  # Padding: zero rows.
-    # A step takes its block, laid out as `shard` lays out a batch.
+    # A step takes its block, laid out as `lay_out` lays out a batch.
     step = strategy.placement.step_numbers(3)[2]
     taken = strategy.placement.take_rows(blocks, step, blocked=True)
-    laid_out = strategy.placement.shard(data[0][full[2]])
+    laid_out = strategy.placement.lay_out(data[0][full[2]])
     np.testing.assert_array_equal(taken[0], laid_out)
     assert taken[0].sharding.is_equivalent_to(laid_out.sharding, 2)
 
@@ -136,7 +138,7 @@ def test_the_passes_of_a_fit_share_one_exchange_program():
 def test_rounds_lay_out_the_same_batches_as_one(monkeypatch):
     strategy = mirrored(2)
     rows = np.arange(3000 * 2, dtype=np.float32).reshape(3000, 2) + 1
-    split, replica_rows = strategy.placement.place_rows([rows])
+    split, replica_rows = strategy.placement.lay_out_rows([rows])
     order = np.random.RandomState(0).permutation(3000).astype(np.int32)
     full = order[:2944].reshape(23, 128)
     partial = np.concatenate([order[2944:], np.full(8, -1, np.int32)])[None]
@@ -168,23 +170,23 @@ class _Layouts:
     def __init__(self, strategy):
         self.copies, self.blocks, self.splits = [], [], []
         target = strategy.placement  # What the input pipeline lays out with.
-        place_dataset, place_blocks = target.place_dataset, target.place_blocks
-        place_rows = target.place_rows
+        lay_out_dataset, lay_out_blocks = target.lay_out_dataset, target.lay_out_blocks
+        lay_out_rows = target.lay_out_rows
 
         def copied(data):
-            self.copies.append(place_dataset(data))
+            self.copies.append(lay_out_dataset(data))
             return self.copies[-1]
 
         def blocked(data, batch_rows):
-            self.blocks.append(place_blocks(data, batch_rows))
+            self.blocks.append(lay_out_blocks(data, batch_rows))
             return self.blocks[-1]
 
         def split(data):
-            self.splits.append(place_rows(data))
+            self.splits.append(lay_out_rows(data))
             return self.splits[-1]
 
-        target.place_dataset, target.place_blocks = copied, blocked
-        target.place_rows = split
+        target.lay_out_dataset, target.lay_out_blocks = copied, blocked
+        target.lay_out_rows = split
 
     def rows_on_first_device(self, placed) -> int:
         device = jax.devices()[0]

@@ -60,7 +60,7 @@ def test_at_most_depth_programs_are_in_flight():
 def test_reduce_and_gather_are_paced_as_run_is():
     """A custom loop's `reduce` and `gather` each step are collectives too."""
     strategy = kd.MirroredStrategy()
-    batch = strategy.placement.shard(np.arange(16.0, dtype="float32"))
+    batch = strategy.placement.lay_out(np.arange(16.0, dtype="float32"))
     doubled = strategy.run(lambda v: v * 2, args=(batch,))
     in_flight = strategy.pacer._in_flight
     assert in_flight[-1] is doubled.stacked  # Per-replica outputs only: paced.

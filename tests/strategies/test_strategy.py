@@ -152,10 +152,10 @@ def test_input_machinery_moved_to_the_placement_with_a_deprecation():
     with pytest.warns(
         DeprecationWarning,
         match=r"`strategy.shard` is input machinery and moved to "
-        r"`strategy.placement.shard`",
+        r"`strategy.placement.lay_out`",
     ):
         laid_out = strategy.shard(rows)
     np.testing.assert_array_equal(np.asarray(laid_out), rows)
-    assert laid_out.sharding == strategy.placement.shard(rows).sharding
+    assert laid_out.sharding == strategy.placement.lay_out(rows).sharding
     assert strategy.placement.num_replicas_in_sync == 8
     assert strategy.placement.input_options is strategy.input_options

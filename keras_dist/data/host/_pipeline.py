@@ -13,7 +13,7 @@ and `distribute_datasets_from_function`. One pass (`InputPass`):
 3. **pad** a batch that does not split over the replicas with zero rows to a
    multiple of them, keeping the count of real rows (`_partial_batch`);
 4. **lay out** this process's rows over the mesh (the strategy's placement,
-   `InputTarget.shard`): the last thing a batch's production does;
+   `InputTarget.lay_out`): the last thing a batch's production does;
 5. **prefetch** one step ahead on a background thread (`Prefetcher`) —
    only for sources that Keras (or the user) can restart: read-ahead never
    takes a batch from a one-shot generator that nobody could give back, nor
@@ -42,7 +42,6 @@ from keras_dist.data import _call
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
-    mark_padded,
     pad_rows,
     round_up,
 )
@@ -78,11 +77,12 @@ def _laid_out(
 
     A Keras batch is wrapped (`PaddedBatch`) on the host first, so that the
     layout keeps the wrapper (a pytree node) and nothing of the input layer
-    runs after it. User code's arrays are marked once laid out.
+    runs after it. User code's arrays carry their real rows themselves
+    (`BatchRows`, set by the layout).
     """
     if keras:
-        return strategy.shard(as_padded_batch(data, num_real), rows)
-    return _marked(strategy.shard(data, rows), num_real)
+        return strategy.lay_out(as_padded_batch(data, num_real), rows)
+    return strategy.lay_out(data, rows, num_real=num_real)
 
 
 def keras_batch(strategy: InputTarget, data: Any) -> Any:
@@ -93,14 +93,6 @@ def keras_batch(strategy: InputTarget, data: Any) -> Any:
 def element(strategy: InputTarget, data: Any) -> Any:
     """One batch in its own structure, laid out; padded arrays are marked."""
     return _laid_out(strategy, *_padded(strategy, data), keras=False)
-
-
-def _marked(arrays: Any, num_real) -> Any:
-    if num_real is not None:
-        for leaf in jax.tree.leaves(arrays, is_leaf=is_leaf):
-            if getattr(leaf, "ndim", 0) and not is_sparse(leaf):
-                mark_padded(leaf, num_real)
-    return arrays
 
 
 class _Reader:

@@ -6,7 +6,7 @@ per-step host work of a small model. When the strategy's
 `input_options.device_resident` allows it (by default: when what a device
 would hold takes at most `device_resident_budget` bytes;
 `_resident_data.resident_layout`), the whole dataset is copied to every
-device once instead (`Placement.place_dataset`), and each step sends only the
+device once instead (`Placement.lay_out_dataset`), and each step sends only the
 step's row indices: inside the step, each replica gathers its rows of the
 global batch from its own copy, with no communication (`Placement.take_rows`,
 `_resident_batch.ResidentBatch`).
@@ -14,13 +14,13 @@ global batch from its own copy, with no communication (`Placement.take_rows`,
 A dataset only ever read in its own order (`evaluate`, `predict`, the
 validation data, `fit(shuffle=False)`) is not copied to every device: its
 full batches are laid out as blocks split over the replicas
-(`Placement.place_blocks`), so each device holds 1/replicas of it, and a
+(`Placement.lay_out_blocks`), so each device holds 1/replicas of it, and a
 step takes its block; the rows of a partial last batch, fewer than a batch,
 are copied to every device and gathered as above.
 
 A dataset `fit` shuffles (`shuffle=True`) whose copy is over the budget,
 when asked for on the devices (`device_resident=True`), is not copied
-either: its rows are split over the replicas (`Placement.place_rows`), and at
+either: its rows are split over the replicas (`Placement.lay_out_rows`), and at
 its first batch a pass (an epoch) lays all its batches out from them at
 once, in its order, as blocks (`Placement.exchange_rows`: one program, each
 row moved once); each step then takes its block, as in order
@@ -38,7 +38,7 @@ what its steps then name with kept step numbers (`Placement.step_numbers`),
 so that a step transfers nothing:
 
 - over a copied dataset: its leading full batches' indices, as one table
-  (`Placement.shard_steps`); a step number names a row of it;
+  (`Placement.lay_out_steps`); a step number names a row of it;
 - over blocks (a dataset read only in its order): nothing; a step number
   names a block, and the pass must be those blocks, in order;
 - over rows split over the replicas (shuffled): every batch of the pass, as
@@ -177,7 +177,7 @@ class ResidentPass:
         Full batches of one size: a `BatchGroup`, over rows of the pass's
         table (its varying leaf: a kept vector of the N step numbers,
         `Placement.step_range`), or, without a table, whose indices are laid
-        out in one transfer (`Placement.shard_steps`). Otherwise (fewer
+        out in one transfer (`Placement.lay_out_steps`). Otherwise (fewer
         batches left, a partial batch): the batches, as `next` gives them. As
         Keras's loop: `StopIteration` when not even one batch is left.
         """
@@ -202,7 +202,7 @@ class ResidentPass:
             ]
             self._record(start, size, len(group))
             return batches
-        stacked = self._strategy.shard_steps(np.stack(group))
+        stacked = self._strategy.lay_out_steps(np.stack(group))
         if self._group_form is None:
             self._group_form = _group_form(self._batch(0, None))
         self._record(start, size, count)
@@ -235,7 +235,7 @@ class ResidentPass:
         if padded != size:
             indices = np.concatenate([indices, np.full(padded - size, -1, np.int32)])
         return self._batch(
-            self._strategy.shard(indices), size if padded != size else None
+            self._strategy.lay_out(indices), size if padded != size else None
         )
 
     def _batch(self, indices: Any, num_real: int | None) -> ResidentBatch:
@@ -326,7 +326,7 @@ def lay_out_pass(
         return layout  # Every batch padded: laid out one by one.
     table = np.stack(batches[:steps])
     if not blocked:
-        layout.table = strategy.shard_steps(table)
+        layout.table = strategy.lay_out_steps(table)
         return layout
     in_order = np.array_equal(table.ravel(), np.arange(table.size))
     if not (in_order and size == resident.block_rows):

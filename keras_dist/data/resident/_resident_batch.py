@@ -55,7 +55,7 @@ class ResidentBatch:
         row: the int32 scalar (replicated) that picks this step's row of the
             table `indices`, or its batch of a pass in order; or None.
         blocked: `arrays` are blocks of batches
-            (`ResidentPlacement.place_blocks`): the batch is block `row`.
+            (`ResidentPlacement.lay_out_blocks`): the batch is block `row`.
     """
 
     def __init__(

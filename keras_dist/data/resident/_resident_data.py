@@ -4,14 +4,14 @@ Three layouts (`resident_layout` chooses, by how the dataset is read, the
 strategy's `InputOptions` and the dataset's size):
 - `BLOCKS`, read only in its own order: its full batches split over the
   replicas as blocks and the rows after them copied to every device
-  (`Placement.place_blocks`); each step takes its block.
+  (`Placement.lay_out_blocks`); each step takes its block.
 - `COPY`, shuffled, when a copy on every device fits the budget (or when
   asked for, `device_resident=True`, and only a copy serves): copied to
-  every device (`Placement.place_dataset`); each step gathers its rows from
+  every device (`Placement.lay_out_dataset`); each step gathers its rows from
   its copy.
 - `ROWS`, shuffled by `fit` (`shuffle=True`), too big to copy, and asked
   for (`device_resident=True`): its rows split over the replicas
-  (`Placement.place_rows`); each pass lays its batches out from them once as
+  (`Placement.lay_out_rows`); each pass lays its batches out from them once as
   blocks (`Placement.exchange_rows`), and each step takes its block.
 The budget (`InputOptions.device_resident_budget`) is what one device's
 memory may hold: the dataset for a copy, its share (1/replicas) split; CPU
@@ -45,10 +45,10 @@ class ResidentData:
     """A dataset laid out on the mesh: its arrays, structure and real rows.
 
     With `block_rows`, `arrays` are the full batches of `block_rows` rows as
-    blocks split over the replicas (`Placement.place_blocks`), and `tail` the
+    blocks split over the replicas (`Placement.lay_out_blocks`), and `tail` the
     rows after them, on every device. With `replica_rows`, `arrays` are the
     dataset split over the replicas by rows, `replica_rows` each
-    (`Placement.place_rows`). Otherwise `arrays` is the dataset on every
+    (`Placement.lay_out_rows`). Otherwise `arrays` is the dataset on every
     device.
     """
 
@@ -130,12 +130,12 @@ def lay_out_resident(
     """
     rows = batch_size_of(data) or 0
     if layout == ROWS:
-        split, replica_rows = strategy.place_rows(data)
+        split, replica_rows = strategy.lay_out_rows(data)
         arrays, treedef = jax.tree.flatten(split)
         return ResidentData(arrays, treedef, rows, replica_rows=replica_rows)
     if layout == COPY:
-        arrays, treedef = jax.tree.flatten(strategy.place_dataset(data))
+        arrays, treedef = jax.tree.flatten(strategy.lay_out_dataset(data))
         return ResidentData(arrays, treedef, rows)
-    blocks, tail = strategy.place_blocks(data, block_rows)
+    blocks, tail = strategy.lay_out_blocks(data, block_rows)
     arrays, treedef = jax.tree.flatten(blocks)
     return ResidentData(arrays, treedef, rows, jax.tree.leaves(tail), block_rows)

@@ -1,12 +1,12 @@
 """A shuffled pass's batches, laid out from rows split over the replicas.
 
 A device-resident dataset that `fit` shuffles and that no device can hold
-whole is split over the replicas by rows (`ResidentPlacement.place_rows`):
+whole is split over the replicas by rows (`ResidentPlacement.lay_out_rows`):
 replica `r` holds rows `r * n ... (r + 1) * n - 1`, 1/replicas of it. At
 the start of each pass (an epoch), its batches in the pass's order are
 laid out once as blocks
 `(steps, batch, ...)` split over the replicas along the batch axis, as a
-dataset read in order is (`ResidentPlacement.place_blocks`): each step then
+dataset read in order is (`ResidentPlacement.lay_out_blocks`): each step then
 takes its block (`take_block`), with no gather and no communication.
 
 The reordering is one program a pass (`exchange`): each replica takes from
@@ -162,7 +162,7 @@ def exchange(
 
     Returns:
         Per segment, per array of `rows`: `(batches, batch_rows, ...)` split
-        along the second axis, as `ResidentPlacement.place_blocks` lays out.
+        along the second axis, as `ResidentPlacement.lay_out_blocks` lays out.
     """
     return _exchanger(mesh, segments)(list(rows), send, receive)
 

@@ -28,7 +28,7 @@ more than the host needs to stay ahead.
 """
 
 import collections
-import weakref
+import dataclasses
 from typing import Any
 
 import jax
@@ -38,11 +38,58 @@ from jax.sharding import NamedSharding, PartitionSpec
 from keras_dist.data._input_context import InputOptions
 from keras_dist.data.host import _sparse
 
-__all__ = ["BATCH_AXIS", "DEPTH", "Pacer", "Placement"]
+__all__ = [
+    "BATCH_AXIS",
+    "DEPTH",
+    "BatchRows",
+    "Pacer",
+    "Placement",
+    "batch_rows_of",
+    "num_real_of",
+]
 
 BATCH_AXIS = "batch"
 
 DEPTH = 8
+
+# The attribute a global batch laid out for user code carries (below).
+_ROWS_ATTRIBUTE = "__keras_dist_rows__"
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRows:
+    """What a laid-out global batch array says of itself.
+
+    `Placement.lay_out` sets it on each array it lays out for user code
+    (distributed datasets) and, when the strategy splits state, on every
+    batch: the array *is* a batch (not a variable split the same way) and
+    `num_real` of its rows are real (`_partial_batch.NumReal`; None: all).
+    It lives on the array, so it goes where the array goes (users' own
+    containers, `tree` utilities, copies of the container) and dies with it:
+    no table keyed by identity.
+
+    Attributes:
+        num_real: the real rows of a padded batch, or None.
+    """
+
+    num_real: Any = None
+
+
+def batch_rows_of(array: Any) -> BatchRows | None:
+    """The `BatchRows` of a laid-out batch array, or None."""
+    return getattr(array, _ROWS_ATTRIBUTE, None)
+
+
+def num_real_of(array: Any) -> Any:
+    """The real rows a laid-out batch array carries (`NumReal`), or None: all."""
+    rows = getattr(array, _ROWS_ATTRIBUTE, None)
+    return None if rows is None else rows.num_real
+
+
+def _mark(arrays: list, rows: BatchRows) -> None:
+    for array in arrays:
+        if isinstance(array, jax.Array) and not _sparse.is_sparse(array):
+            setattr(array, _ROWS_ATTRIBUTE, rows)
 
 
 class Pacer:
@@ -98,6 +145,9 @@ def _first_array(outputs: Any) -> jax.Array | None:
     return None
 
 
+_UNPADDED = BatchRows()
+
+
 class Placement:
     """The input side of a strategy: shardings and per-process rows.
 
@@ -107,7 +157,7 @@ class Placement:
     (`keras_dist/data/host/_pipeline.py`) talks to nothing else of a strategy.
     The pipeline reads, checks and pads batches; the placement says which
     rows live on this process (`process_rows`) and lays them out over the
-    mesh (`shard`). Device-resident datasets: `_resident_placement`.
+    mesh (`lay_out`). Device-resident datasets: `_resident_placement`.
 
     Args:
         mesh: the strategy's 1-D `jax.sharding.Mesh` (axis `"batch"`).
@@ -141,12 +191,10 @@ class Placement:
         self.num_local_replicas = sum(d.process_index == here for d in self.devices)
         self.num_processes = len({d.process_index for d in self.devices})
         self.spans_processes = self.num_processes > 1
-        # Whether a batch is told from a split variable by its id (below).
+        # Whether a batch is told from a split variable by its mark (below).
         self._splits_state = state_layout.splits_state
         self._data_shardings: dict[int, NamedSharding] = {}
         self._row_ranges: dict[int, slice] = {}
-        # ids of the batches `shard` laid out, while they live.
-        self._laid_out_batches: dict[int, None] = {}
         self._step_numbers: list[jax.Array] = []  # `step_numbers`, kept.
         self._step_ranges: dict[tuple[int, int], jax.Array] = {}  # `step_range`.
 
@@ -155,7 +203,7 @@ class Placement:
 
         A variable split along its first axis (FSDP, a partitioner, ZeRO-1
         slots) has the layout of a batch; when the strategy splits state, a
-        batch is only what `shard` laid out.
+        batch is only what `lay_out` laid out (it carries `BatchRows`).
         """
         # Called for every leaf of every `run`: cheap spec test first.
         sharding = getattr(array, "sharding", None)
@@ -168,7 +216,7 @@ class Placement:
             return False
         if not (sharding.mesh is self.mesh or sharding.mesh == self.mesh):
             return False
-        return not self._splits_state or id(array) in self._laid_out_batches
+        return not self._splits_state or batch_rows_of(array) is not None
 
     def replicate(self, array) -> jax.Array:
         """`array` laid out whole on every device (unchanged if it already is)."""
@@ -179,12 +227,10 @@ class Placement:
             return array
         return jax.device_put(array, self._replicated)
 
-    def _remember_batches(self, arrays: list) -> None:
-        for array in arrays:
-            if isinstance(array, jax.Array) and not _sparse.is_sparse(array):
-                key = id(array)
-                self._laid_out_batches[key] = None
-                weakref.finalize(array, self._laid_out_batches.pop, key, None)
+    def _remember_batches(self, arrays: list, num_real: Any = None) -> None:
+        """Marks laid-out batch arrays (`BatchRows`) where someone asks."""
+        if num_real is not None or self._splits_state:
+            _mark(arrays, _UNPADDED if num_real is None else BatchRows(num_real))
 
     def _data_sharding(self, ndim: int) -> NamedSharding:
         sharding = self._data_shardings.get(ndim)
@@ -216,7 +262,9 @@ class Placement:
             found = self._row_ranges[rows] = slice(min(starts), max(stops))
         return found
 
-    def shard(self, data: Any, rows: int | None = None) -> Any:
+    def lay_out(
+        self, data: Any, rows: int | None = None, *, num_real: Any = None
+    ) -> Any:
         """Lays this process's rows of a batch out over the mesh: global arrays.
 
         The input pipeline's last step (it reads, checks and pads first).
@@ -225,14 +273,16 @@ class Placement:
             data: a pytree of arrays whose leading (batch) dimension is a
                 multiple of `num_local_replicas`.
             rows: the global batch size, when the mesh spans processes.
+            num_real: the real rows of a padded batch handed to user code
+                (`_partial_batch.NumReal`): each array carries them
+                (`BatchRows`), for `run`, `reduce` and `gather`.
         """
         leaves, treedef = jax.tree.flatten(data)
         if not self.spans_processes and all(
             type(leaf) is np.ndarray for leaf in leaves
         ):  # A dense host batch (the common case): no sparse walk.
             placed = [_place(a, self._data_sharding(a.ndim)) for a in leaves]
-            if self._splits_state:
-                self._remember_batches(placed)
+            self._remember_batches(placed, num_real)
             return jax.tree.unflatten(treedef, placed)
         leaves, treedef = jax.tree.flatten(data, is_leaf=_sparse.is_leaf)
         arrays = [_as_array(x) for x in leaves]
@@ -259,25 +309,24 @@ class Placement:
                 )
                 for a in arrays
             ]
-        if self._splits_state:
-            self._remember_batches(placed)
+        self._remember_batches(placed, num_real)
         return jax.tree.unflatten(treedef, placed)
 
-    def shard_steps(self, data: Any) -> Any:
+    def lay_out_steps(self, data: Any) -> Any:
         """Lays out the batches of several steps at once: one transfer.
 
         Args:
             data: a pytree of arrays `(steps, rows, ...)`: `steps` batches
-                stacked, each as `shard` takes it. One process only.
+                stacked, each as `lay_out` takes it. One process only.
 
         Returns:
             Arrays split along their second axis (the rows), so the batch
-            of each step is laid out as `shard` lays it out.
+            of each step is laid out as `lay_out` lays it out.
         """
         if self.spans_processes:
             raise ValueError(
-                "`shard_steps` lays out batches of one process only. Received a "
-                f"strategy over {self.num_processes} processes; use `shard` for "
+                "`lay_out_steps` lays out batches of one process only. Received a "
+                f"strategy over {self.num_processes} processes; use `lay_out` for "
                 "each batch."
             )
         arrays, treedef = jax.tree.flatten(data)

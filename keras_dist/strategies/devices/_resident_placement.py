@@ -1,8 +1,8 @@
 """Device-resident datasets on a strategy's mesh: placed once, taken in the step.
 
 The placement side of `keras_dist/data/resident/_resident.py`: a dataset copied to
-every device (`place_dataset`), split over the replicas as blocks of
-batches (`place_blocks`), or split by rows (`place_rows`) with each pass
+every device (`lay_out_dataset`), split over the replicas as blocks of
+batches (`lay_out_blocks`), or split by rows (`lay_out_rows`) with each pass
 laid out as blocks from them (`exchange_rows`, the program in
 `_exchange.py`); the kept step numbers that name a step's batch
 (`step_numbers`, `step_range`), and the take of a batch inside the step
@@ -59,14 +59,14 @@ class ResidentPlacement(Placement):
             self._step_ranges[start, count] = numbers
         return numbers
 
-    def place_dataset(self, data: Any) -> Any:
+    def lay_out_dataset(self, data: Any) -> Any:
         """Copies a whole dataset (a pytree of host arrays) to every device.
 
         For `take_rows`; one process only.
         """
         return jax.tree.map(lambda leaf: self.replicate(_as_array(leaf)), data)
 
-    def place_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
+    def lay_out_blocks(self, data: Any, batch_rows: int) -> tuple[Any, Any]:
         """Lays a dataset read in its order out as blocks split over the replicas.
 
         For a pass in the dataset's own order, batches of `batch_rows` rows
@@ -83,7 +83,7 @@ class ResidentPlacement(Placement):
         """
         if batch_rows % self.num_replicas_in_sync:
             raise ValueError(
-                "`place_blocks` splits each batch over the replicas. Received "
+                "`lay_out_blocks` splits each batch over the replicas. Received "
                 f"batch_rows={batch_rows} for {self.num_replicas_in_sync} "
                 "replicas; pass a multiple of the replica count."
             )
@@ -102,7 +102,7 @@ class ResidentPlacement(Placement):
 
         return jax.tree.map(blocks, data), jax.tree.map(tail, data)
 
-    def place_rows(self, data: Any) -> tuple[Any, int]:
+    def lay_out_rows(self, data: Any) -> tuple[Any, int]:
         """Splits a dataset (a pytree of host arrays) over the replicas by rows.
 
         For a dataset `fit` shuffles: each pass lays its batches out from it
@@ -131,21 +131,21 @@ class ResidentPlacement(Placement):
     def exchange_rows(
         self, rows: list, replica_rows: int, batches: list[np.ndarray]
     ) -> list[list[jax.Array]]:
-        """Lays out groups of batches of rows `place_rows` split, as blocks.
+        """Lays out groups of batches of rows `lay_out_rows` split, as blocks.
 
         One program (`_exchange.py`): each row moves once, with an
         `all_to_all` a round.
 
         Args:
-            rows: the arrays `place_rows` placed (flattened).
-            replica_rows: the rows each replica holds (`place_rows`).
+            rows: the arrays `lay_out_rows` placed (flattened).
+            replica_rows: the rows each replica holds (`lay_out_rows`).
             batches: groups of batches, each an int32 array `(count,
                 batch_rows)` of row indices (-1: padding; `batch_rows` a
                 multiple of `num_replicas_in_sync`).
 
         Returns:
             Per group, per array of `rows`: its batches as blocks `(count,
-            batch_rows, ...)`, as `place_blocks` lays them out (for
+            batch_rows, ...)`, as `lay_out_blocks` lays them out (for
             `take_rows(..., blocked=True)`).
         """
         row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in rows)
@@ -162,27 +162,25 @@ class ResidentPlacement(Placement):
         return groups
 
     def take_rows(self, dataset: list, indices, *, blocked: bool = False):
-        """Rows `indices` of arrays `place_dataset` placed, gathered on the devices.
+        """Rows `indices` of arrays `lay_out_dataset` placed, gathered on the devices.
 
         Args:
-            dataset: arrays `place_dataset` placed (or, with `blocked`,
-                arrays of blocks `place_blocks` placed).
-            indices: int32 row indices laid out by `shard` (a multiple of
+            dataset: arrays `lay_out_dataset` placed (or, with `blocked`,
+                arrays of blocks `lay_out_blocks` placed).
+            indices: int32 row indices laid out by `lay_out` (a multiple of
                 `num_replicas_in_sync`); -1 gives a row of zeros (padding).
                 With `blocked`: a replicated int32 step number. Inside a
                 compiled step: traced values.
-            blocked: `dataset` is blocks (`place_blocks`) and `indices` a
+            blocked: `dataset` is blocks (`lay_out_blocks`) and `indices` a
                 step number: that block, taken on each device.
 
         Returns:
-            The global batches, laid out as `shard` lays out a batch.
+            The global batches, laid out as `lay_out` lays out a batch.
         """
         if blocked:
             placed = take_block(self.mesh, dataset, indices)
         else:
             placed = take_rows(self.mesh, dataset, indices)
-        if self.state_layout.splits_state and not isinstance(
-            placed[0], jax.core.Tracer
-        ):
+        if not isinstance(placed[0], jax.core.Tracer):
             self._remember_batches(placed)
         return placed

@@ -6,7 +6,7 @@ shuffles and a device can hold is copied once to every device of the mesh
 `_exchange.py`). A step's global batch
 is the rows named by an index vector; replica `r` receives its share of the
 vector (a few bytes a row) and takes its rows from its own copy: batch rows
-`r * b ... (r + 1) * b - 1`, the layout of `shard`, with no communication
+`r * b ... (r + 1) * b - 1`, the layout of `lay_out`, with no communication
 between devices. An index of -1 gives a row of zeros: the padding of a
 partial batch. On CPU devices a shuffled step, gathering, is slower than
 one in order (BS against B in `benchmarks/README.md`).
@@ -14,7 +14,7 @@ one in order (BS against B in `benchmarks/README.md`).
 A dataset read only in its own order (`evaluate`, `predict`, the validation
 data, `fit(shuffle=False)`) is not copied to every device: its full batches
 are laid out as blocks `(steps, batch, ...)` split over the replicas along
-the batch axis (`ResidentPlacement.place_blocks`), each device holding only its rows
+the batch axis (`ResidentPlacement.lay_out_blocks`), each device holding only its rows
 of every batch — 1/replicas of the dataset — and `take_block` indexes the
 step's block on each device, with no communication either.
 
@@ -64,7 +64,7 @@ def take_block(mesh: Mesh, blocks: Sequence[jax.Array], step) -> list:
     Args:
         mesh: the 1-D mesh (axis `"batch"`).
         blocks: arrays `(steps, batch, ...)` split over `mesh` along their
-            second axis (`ResidentPlacement.place_blocks`).
+            second axis (`ResidentPlacement.lay_out_blocks`).
         step: an int32 scalar, replicated (inside a step: traced).
     """
     return _block_taker(mesh)(list(blocks), step)

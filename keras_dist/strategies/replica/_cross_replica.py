@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_dist.data._partial_batch import num_real_of, take_real
+from keras_dist.data._partial_batch import take_real
+from keras_dist.strategies.devices._placement import num_real_of
 from keras_dist.strategies.replica._parts import StrategyParts
 from keras_dist.strategies.replica._replica_context import in_replica_context
 from keras_dist.strategies.replica._values import (

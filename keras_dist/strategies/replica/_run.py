@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.data._partial_batch import num_real_of
+from keras_dist.strategies.devices._placement import num_real_of
 from keras_dist.strategies.replica._parts import StrategyParts
 from keras_dist.strategies.replica._replica_context import (
     AXIS,
