@@ -13,7 +13,8 @@ from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies.devices._devices import device_name
-from keras_dist.strategies.devices._placement import Pacer
+from keras_dist.strategies.devices._mesh import build_device_mesh, check_model_parallel
+from keras_dist.strategies.devices._placement import BATCH_AXIS, Pacer
 from keras_dist.strategies.devices._resident_placement import ResidentPlacement
 from keras_dist.strategies.replica import _cross_replica, _run
 from keras_dist.strategies.replica._values import ReduceOp
@@ -30,7 +31,8 @@ strategy_of_variable = _ownership.strategy_of_variable
 class Strategy(keras.distribution.DataParallel):
     """Base class of keras_dist strategies: a data-parallel Keras distribution.
 
-    A strategy owns a 1-D `jax.sharding.Mesh` with the axis `"batch"`. Inside
+    A strategy owns a `jax.sharding.Mesh`: 1-D with the axis `"batch"`, or
+    2-D `("batch", "model")` with `model_parallel` devices per replica. Inside
     `strategy.scope()` every Keras variable is created on the mesh, replicated
     unless the strategy's `state_layout` splits it,
     and `model.fit/evaluate/predict` split each global batch over it. A model
@@ -42,8 +44,14 @@ class Strategy(keras.distribution.DataParallel):
     Args:
         devices: the resolved `jax.Device`s of the replicas, in mesh order.
         state_layout: makes the strategy's `StateLayout` from its device mesh
-            and name (`StateLayout(device_mesh, owner)`). Defaults to
-            everything replicated.
+            and name (`StateLayout(device_mesh, owner)`; on a 2-D mesh also
+            `layout_map=`). Defaults to everything replicated.
+        model_parallel: devices per replica, the `"model"` axis of a 2-D
+            mesh `(N / k, k)`. Defaults to 1: data parallelism only.
+        layout_map: a `keras.distribution.LayoutMap` (its mesh decides the
+            shape), or a function making one from the strategy's
+            `DeviceMesh` (keras-hub's `Backbone.get_layout_map`). Defaults
+            to None: automatic layouts on a 2-D mesh.
 
     Attributes:
         placement: where this strategy's data goes, and what the input
@@ -59,11 +67,33 @@ class Strategy(keras.distribution.DataParallel):
         devices: Sequence[jax.Device],
         *,
         state_layout: Callable[..., StateLayout] = StateLayout,
+        model_parallel: int = 1,
+        layout_map: Any = None,
     ):
+        device_mesh = build_device_mesh(
+            devices, model_parallel=model_parallel, layout_map=layout_map
+        )
         # keras_dist splits the input over processes itself (keras.distribution
-        # would rebatch tf.data and refuse NumPy with several processes).
-        super().__init__(devices=list(devices), auto_shard_dataset=False)
-        self._state_layout = state_layout(self.device_mesh, type(self).__name__)
+        # would rebatch tf.data and refuse NumPy with several processes). A
+        # 2-D mesh splits data over its first axis, as DataParallel does with
+        # one; its constructor cannot take one (its warning for a 2-D mesh is
+        # a TypeError), so the distribution is set up by the class above it.
+        super(keras.distribution.DataParallel, self).__init__(
+            device_mesh, BATCH_AXIS, auto_shard_dataset=False
+        )
+        if callable(layout_map) and not isinstance(
+            layout_map, keras.distribution.LayoutMap
+        ):
+            layout_map = layout_map(self.device_mesh)
+            check_model_parallel(1, layout_map)
+        self._layout_map = layout_map
+        owner = type(self).__name__
+        if self.model_parallel > 1:
+            self._state_layout = state_layout(
+                self.device_mesh, owner, layout_map=layout_map
+            )
+        else:
+            self._state_layout = state_layout(self.device_mesh, owner)
         _ownership.register(self)
         self._run_cache: dict = {}
         # Where this strategy's data goes: what the input pipeline talks to.
@@ -136,17 +166,43 @@ class Strategy(keras.distribution.DataParallel):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """Number of replicas the global batch is split over."""
-        return int(self.device_mesh.devices.size)
+        """Number of replicas the global batch is split over.
+
+        Each replica is `model_parallel` devices holding one model.
+        """
+        return int(self.device_mesh.devices.shape[0])
+
+    @property
+    def num_model_replicas(self) -> int:
+        """Keras's name for `num_replicas_in_sync`."""
+        return self.num_replicas_in_sync
+
+    @property
+    def model_parallel(self) -> int:
+        """Devices per replica: the size of the `"model"` axis (1: none)."""
+        shape = self.device_mesh.devices.shape
+        return int(shape[1]) if len(shape) > 1 else 1
+
+    @property
+    def layout_map(self) -> "keras.distribution.LayoutMap | None":
+        """The `LayoutMap` whose rules lay variables out (None: automatic)."""
+        return self._layout_map
+
+    def get_tensor_layout(self, path: str) -> Any:
+        """Keras's hook for a layer output's layout: the layout map's rule."""
+        if self._layout_map is None:
+            return None
+        return self._layout_map[path]
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
-        """The `jax.Device`s of the replicas, in mesh order."""
+        """The `jax.Device`s of the mesh, row by row (a replica's together)."""
         return tuple(self.device_mesh.devices.flat)
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The 1-D `jax.sharding.Mesh` (axis `"batch"`) of this strategy."""
+        """The `jax.sharding.Mesh` of this strategy: axes `("batch",)`, or
+        `("batch", "model")` with `model_parallel`."""
         return self.device_mesh.backend_mesh
 
     @property
@@ -183,8 +239,14 @@ class Strategy(keras.distribution.DataParallel):
                 "is not supported: leave the other scope first, or call "
                 "`keras.distribution.set_distribution(None)`."
             )
-        with super().scope():
-            yield self
+        try:
+            with super().scope():
+                yield self
+        finally:
+            # Layout warnings (dimensions kept whole, variables no rule
+            # matched) come once, for what was built in the scope.
+            # (From here: the scope, contextlib's exit, the user's `with`.)
+            self._state_layout.take_warnings(stacklevel=4)
 
     def check_global_batch(self, batch_size: int) -> None:
         """Called with each `batch_size` of a call; a strategy may warn."""
@@ -308,9 +370,12 @@ class Strategy(keras.distribution.DataParallel):
         names = [device_name(d) for d in self.devices]
         if len(names) > 4:
             names = [*names[:2], "...", names[-1]]
+        model = (
+            f", model_parallel={self.model_parallel}" if self.model_parallel > 1 else ""
+        )
         return (
             f"{type(self).__name__}(devices=[{', '.join(names)}], "
-            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+            f"num_replicas_in_sync={self.num_replicas_in_sync}{model})"
         )
 
     __str__ = __repr__

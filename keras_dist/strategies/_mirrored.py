@@ -1,12 +1,15 @@
 """`MirroredStrategy`: synchronous data parallelism over local devices."""
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._devices import resolve_devices
-from keras_dist.strategies.state._state_layout import sharded_option, sharded_state
+from keras_dist.strategies.devices._mesh import check_model_parallel
+from keras_dist.strategies.state._model_layout import sharded_state
+from keras_dist.strategies.state._state_layout import sharded_option
 
 __all__ = ["MirroredStrategy"]
 
@@ -38,17 +41,40 @@ class MirroredStrategy(Strategy):
     slots are split that way. `strategy.memory_report(model)` shows what went
     where.
 
+    With `model_parallel=k` a model too big for one device is split over
+    k devices: the mesh is 2-D, `("batch", "model")` of shape `(N / k, k)`,
+    a replica is a row of k devices (`num_replicas_in_sync == N / k`) and
+    the global batch is split over the rows. Each variable is split over
+    `"model"` by the rules of `layout_map` (keras-hub's
+    `Backbone.get_layout_map`) or automatically (attention heads, the wide
+    side of feed-forward kernels, the vocabulary of embeddings); see
+    `keras_dist/strategies/state/_model_layout.py`.
+
+    ```python
+    strategy = kd.MirroredStrategy(
+        model_parallel=4, layout_map=keras_hub.models.GemmaBackbone.get_layout_map
+    )
+    ```
+
     Args:
         devices: the devices to replicate over, as strings (`"gpu:0"`,
             `"/gpu:1"`, `"/job:localhost/replica:0/task:0/device:GPU:0"`,
             `"cpu:3"`) or `jax.Device`s. Defaults to `None`: every device of
             JAX's default backend in this process.
+        model_parallel: devices per replica (the `"model"` axis). Defaults
+            to 1: one device per replica.
+        layout_map: a `keras.distribution.LayoutMap` whose mesh (axes
+            `("batch", "model")`, the strategy's devices) decides the shape,
+            or a function making one from `strategy.device_mesh`. Defaults to
+            None: automatic layouts when `model_parallel > 1`.
         shard_variables: split variables (and their optimizer slots) over
             the devices. Defaults to `False`: replicated.
         shard_optimizer_state: split only the optimizer slots (moments,
             momentum, gradient accumulators) over the devices, weights
             replicated (ZeRO-1): bit-identical to the replicated run. Defaults
             to `False`.
+        strict: with `layout_map`, a variable of 1 MiB or more that no rule
+            matches is an error instead of a warning. Defaults to `False`.
 
     Raises:
         ValueError: if `devices` is empty, has duplicates or mixes kinds.
@@ -59,15 +85,23 @@ class MirroredStrategy(Strategy):
         self,
         devices: Sequence["str | jax.Device"] | None = None,
         *,
+        model_parallel: int = 1,
+        layout_map: Any = None,
         shard_variables: bool = False,
         shard_optimizer_state: bool = False,
+        strict: bool = False,
     ):
+        check_model_parallel(model_parallel, layout_map)
         state = sharded_state(
             shard_variables=shard_variables,
             shard_optimizer_state=shard_optimizer_state,
+            strict=strict,
         )
         super().__init__(
-            resolve_devices(devices, argument="devices"), state_layout=state
+            resolve_devices(devices, argument="devices"),
+            state_layout=state,
+            model_parallel=model_parallel,
+            layout_map=layout_map,
         )
 
     shard_variables = sharded_option(

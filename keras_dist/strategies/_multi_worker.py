@@ -7,7 +7,8 @@ import jax
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._join import global_devices, join_cluster
-from keras_dist.strategies.state._state_layout import sharded_option, sharded_state
+from keras_dist.strategies.state._model_layout import sharded_state
+from keras_dist.strategies.state._state_layout import sharded_option
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
 

@@ -160,12 +160,15 @@ class Placement:
     mesh (`lay_out`). Device-resident datasets: `_resident_placement`.
 
     Args:
-        mesh: the strategy's 1-D `jax.sharding.Mesh` (axis `"batch"`).
+        mesh: the strategy's `jax.sharding.Mesh` (axes `("batch",)` or
+            `("batch", "model")`; batches are split over `"batch"`).
         state_layout: the strategy's `StateLayout` (a batch is told from a
             split variable by its layout only when no state is split).
 
     Attributes:
         devices: the devices of the mesh (all processes), in mesh order.
+        replica_devices: the first device of each replica (a mesh row), in
+            replica order.
         num_replicas_in_sync: replicas a global batch is split over (all
             processes).
         num_local_replicas: replicas on this process's devices (all of them
@@ -187,8 +190,14 @@ class Placement:
         here = jax.process_index()
         # Plain attributes: the input path reads them for every batch, and
         # a mesh does not change.
-        self.num_replicas_in_sync = len(self.devices)
-        self.num_local_replicas = sum(d.process_index == here for d in self.devices)
+        # A replica is a row of the mesh: one device with data parallelism
+        # only, `model_parallel` devices of one process on a 2-D mesh.
+        rows = mesh.devices.reshape(mesh.devices.shape[0], -1)
+        self.replica_devices: tuple[jax.Device, ...] = tuple(rows[:, 0])
+        self.num_replicas_in_sync = len(self.replica_devices)
+        self.num_local_replicas = sum(
+            d.process_index == here for d in self.replica_devices
+        )
         self.num_processes = len({d.process_index for d in self.devices})
         self.spans_processes = self.num_processes > 1
         # Whether a batch is told from a split variable by its mark (below).

@@ -168,7 +168,7 @@ def experimental_local_results(strategy: StrategyParts, value: Any) -> tuple:
     leaves, treedef = jax.tree.flatten(value, is_leaf=is_per_replica)
     local = [
         i
-        for i, d in enumerate(strategy.devices)
+        for i, d in enumerate(strategy.placement.replica_devices)
         if d.process_index == jax.process_index()
     ]
     for leaf in leaves:
@@ -188,20 +188,23 @@ def _local_values(strategy: StrategyParts, leaf, local: list[int]) -> list:
         shards = {s.device: s.data for s in leaf.addressable_shards}
         b = leaf.shape[0] // strategy.num_replicas_in_sync
         num_real = num_real_of(leaf)
-        return [shards[strategy.devices[i]][: real_rows(num_real, b, i)] for i in local]
+        return [
+            shards[strategy.placement.replica_devices[i]][: real_rows(num_real, b, i)]
+            for i in local
+        ]
     per_replica = _as_per_replica(strategy, leaf)
     if per_replica is None:
         array = jnp.asarray(leaf)
         if isinstance(leaf, jax.Array) and leaf.sharding.is_fully_replicated:
             by_device = {s.device: s.data for s in leaf.addressable_shards}
-            devices = [strategy.devices[i] for i in local]
+            devices = [strategy.placement.replica_devices[i] for i in local]
             if all(d in by_device for d in devices):
                 return [by_device[d] for d in devices]
         return [array for _ in local]
     shards = {s.device: s.data for s in per_replica.stacked.addressable_shards}
     out = []
     for i in local:
-        device_value = shards[strategy.devices[i]][0]
+        device_value = shards[strategy.placement.replica_devices[i]][0]
         if per_replica.num_real is not None and per_replica.is_per_example():
             device_value = device_value[: per_replica.real_rows(i)]
         out.append(device_value)

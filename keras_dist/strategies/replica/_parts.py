@@ -23,7 +23,7 @@ class StrategyParts(Protocol):
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        """The 1-D mesh (axis `"batch"`)."""
+        """The mesh (axes `("batch",)` or `("batch", "model")`)."""
 
     @property
     def device_mesh(self) -> keras.distribution.DeviceMesh:
@@ -36,6 +36,10 @@ class StrategyParts(Protocol):
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas a global batch is split over."""
+
+    @property
+    def model_parallel(self) -> int:
+        """Devices per replica (the `"model"` axis; 1: a 1-D mesh)."""
 
     @property
     def spans_processes(self) -> bool:

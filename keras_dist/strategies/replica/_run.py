@@ -221,11 +221,14 @@ def _compile(strategy: StrategyParts, fn, treedef, kinds, statics, batch, values
             if varying is None
             else [PartitionSpec(AXIS) if v else PartitionSpec() for v in varying]
         )
+        # Manual over the replicas only: on a 2-D mesh the model axis is
+        # left to XLA, which splits each replica's work as its layouts say.
         return jax.shard_map(
             lambda *vals: body(varying, *vals),
             mesh=strategy.mesh,
             in_specs=tuple(specs),
             out_specs=out_specs,
+            axis_names=frozenset({AXIS}),
         )
 
     jax.eval_shape(shard_mapped(None), *values)

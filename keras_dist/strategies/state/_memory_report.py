@@ -28,6 +28,8 @@ class VariableMemory:
         reason: why it is replicated (empty when sharded).
         memory_kind: the JAX memory kind of its buffers: `"device"`, or
             `"pinned_host"` for host memory (`CentralStorageStrategy`).
+        spec: the mesh axis (or None) of each dimension, as its sharding's
+            `PartitionSpec` says (on a 2-D mesh: `"batch"` and `"model"`).
     """
 
     path: str
@@ -40,9 +42,14 @@ class VariableMemory:
     parts: int
     reason: str
     memory_kind: str = "device"
+    spec: tuple = ()
 
     @property
     def layout(self) -> str:
+        split = [(i, a) for i, a in enumerate(self.spec) if a is not None]
+        if any(a != BATCH_AXIS for _, a in split) or len(split) > 1:
+            axes = ", ".join(f"axis {i} over {a!r}" for i, a in split)
+            return f"{axes} ({self.parts} parts): {self.reason}"
         if self.axis is None:
             return f"replicated: {self.reason}" if self.reason else "replicated"
         return f"axis {self.axis} in {self.parts}"
@@ -127,7 +134,7 @@ def memory_report(strategy: StrategyParts, model) -> MemoryReport:
     opt = [e for e in entries if e.kind == "optimizer"]
     return MemoryReport(
         strategy=repr(strategy),
-        num_devices=strategy.num_replicas_in_sync,
+        num_devices=len(strategy.devices),
         weight_bytes=sum(e.nbytes for e in weight),
         weight_bytes_per_device=max(per_device["weight"].values(), default=0),
         optimizer_bytes=sum(e.nbytes for e in opt),
@@ -153,9 +160,16 @@ def _describe(
     for device, n in held.items():
         totals[device] = totals.get(device, 0) + n
     spec = tuple(getattr(value.sharding, "spec", ()) or ())
+    spec = spec + (None,) * (len(shape) - len(spec))
     axis = next((i for i, s in enumerate(spec) if s == BATCH_AXIS), None)
-    plan = strategy.state_layout.shard_plan(shape, value.dtype)
-    reason = "" if axis is not None else plan.reason or "follows a replicated one"
+    reason = strategy.state_layout.reason(variable.path, shape, value.dtype)
+    if strategy.model_parallel == 1:
+        reason = "" if axis is not None else reason or "follows a replicated one"
+    sizes = dict(strategy.mesh.shape)
+    parts = 1
+    for entry in spec:
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            parts *= sizes.get(name, 1) if name is not None else 1
     return VariableMemory(
         path=variable.path,
         kind=kind,
@@ -164,7 +178,8 @@ def _describe(
         nbytes=nbytes,
         bytes_per_device=max(held.values(), default=0),
         axis=axis,
-        parts=1 if axis is None else strategy.num_replicas_in_sync,
+        parts=parts,
         reason=reason,
         memory_kind=memory_kind,
+        spec=spec,
     )

@@ -35,7 +35,6 @@ __all__ = [
     "ShardedStateLayout",
     "StateLayout",
     "sharded_option",
-    "sharded_state",
 ]
 
 
@@ -54,12 +53,18 @@ class StateLayout:
 
     @property
     def num_replicas(self) -> int:
-        return int(self.device_mesh.devices.size)
+        """Replicas: the size of the mesh's first axis, `"batch"`."""
+        return int(self.device_mesh.devices.shape[0])
 
     def shard_plan(self, shape: tuple[int, ...], dtype: Any) -> ShardPlan:
         """Where a variable of `shape` and `dtype` goes."""
         del shape, dtype
         return replicated(f"{self.owner} replicates variables")
+
+    def reason(self, path: str, shape: tuple[int, ...], dtype: Any) -> str:
+        """Why the variable at `path` is laid out as it is (`memory_report`)."""
+        del path
+        return self.shard_plan(shape, dtype).reason
 
     def variable_layout(self, variable: Any) -> keras.distribution.TensorLayout:
         """The layout a new variable is created with."""
@@ -103,35 +108,8 @@ class StateLayout:
         """A step's new state moved where the variables live."""
         return state
 
-
-def sharded_state(
-    *, shard_variables: bool, shard_optimizer_state: bool
-) -> Callable[..., StateLayout]:
-    """The state layout of the `shard_variables` / `shard_optimizer_state` options.
-
-    Checked at once, before a strategy joins a cluster or builds its mesh.
-
-    Raises:
-        TypeError: if an option is not a bool.
-    """
-    for name, value in (
-        ("shard_variables", shard_variables),
-        ("shard_optimizer_state", shard_optimizer_state),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"`{name}` must be True or False. Received: {name}={value!r}."
-            )
-
-    def make(device_mesh, owner):
-        return ShardedStateLayout(
-            device_mesh,
-            owner,
-            shard_variables=shard_variables,
-            shard_optimizer_state=shard_optimizer_state,
-        )
-
-    return make
+    def take_warnings(self, stacklevel: int = 2) -> None:
+        """Warns once about what the layouts of new variables could not do."""
 
 
 def sharded_option(name: str, doc: str) -> property:
