@@ -61,7 +61,7 @@ def test_inside_run_the_gradient_equals_the_one_device_mean(n, rows):
     def replica_step(w, xb):
         return jax.value_and_grad(loss_fn)(w, xb)
 
-    batch = element(strategy, x)
+    batch = element(strategy.placement, x)
     loss, grads = strategy.run(replica_step, args=(w, batch))
     total_loss = strategy.reduce("sum", loss, axis=None)
     expected_loss, expected_grads = jax.value_and_grad(
@@ -76,7 +76,7 @@ def test_inside_run_the_gradient_equals_the_one_device_mean(n, rows):
 def test_explicit_global_batch_size_inside_run():
     strategy = mirrored(4)
     x = np.ones((13, 1), "float32")
-    batch = element(strategy, x)  # 13 real rows of 16.
+    batch = element(strategy.placement, x)  # 13 real rows of 16.
 
     def fn(xb):
         return kd.losses.compute_average_loss(xb[:, 0], global_batch_size=32)
@@ -101,6 +101,6 @@ def test_bad_input():
     with pytest.raises(TypeError, match="regularization_loss"):
         kd.losses.scale_regularization_loss(np.int32(3))
     strategy = mirrored(4)
-    batch = element(strategy, np.ones((13, 2), "float32"))
+    batch = element(strategy.placement, np.ones((13, 2), "float32"))
     with pytest.raises(ValueError, match="one row per example"):
         strategy.run(lambda xb: kd.losses.compute_average_loss(xb.T), args=(batch,))

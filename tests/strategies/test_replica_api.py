@@ -20,7 +20,7 @@ def _strategy(n):
 
 def _batch(strategy, rows, features=3):
     x = np.arange(rows * features, dtype="float32").reshape(rows, features)
-    return x, element(strategy, x)
+    return x, element(strategy.placement, x)
 
 
 @pytest.mark.parametrize("n", STRATEGIES)
