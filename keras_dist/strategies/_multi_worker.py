@@ -1,12 +1,14 @@
 """`MultiWorkerMirroredStrategy`: synchronous data parallelism over processes."""
 
 import dataclasses
+from typing import Any
 
 import jax
 
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._join import global_devices, join_cluster
+from keras_dist.strategies.devices._mesh import check_model_parallel
 from keras_dist.strategies.state._model_layout import sharded_state
 from keras_dist.strategies.state._state_layout import sharded_option
 
@@ -91,6 +93,14 @@ class MultiWorkerMirroredStrategy(Strategy):
             all devices. Defaults to `False`: replicated.
         shard_optimizer_state: split only the optimizer slots (ZeRO-1).
             Defaults to `False`.
+        model_parallel: devices per replica: a 2-D mesh `("batch", "model")`
+            whose rows (replicas) stay inside one process; `"batch"` spans
+            the processes. Must divide each process's devices. Defaults to 1.
+        layout_map: a `keras.distribution.LayoutMap` or a function making
+            one (keras-hub's `Backbone.get_layout_map`); see
+            `MirroredStrategy`.
+        strict: with `layout_map`, a large variable no rule matches is an
+            error.
 
     Raises:
         ClusterConfigError: for a cluster with `ps` tasks, or a bad resolver.
@@ -104,8 +114,11 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
         *,
+        model_parallel: int = 1,
+        layout_map: Any = None,
         shard_variables: bool = False,
         shard_optimizer_state: bool = False,
+        strict: bool = False,
     ):
         if communication_options is None:
             communication_options = CommunicationOptions()
@@ -114,9 +127,11 @@ class MultiWorkerMirroredStrategy(Strategy):
                 "`communication_options` must be a `kd.CommunicationOptions`. "
                 f"Received: {communication_options!r}."
             )
+        check_model_parallel(model_parallel, layout_map)
         state = sharded_state(
             shard_variables=shard_variables,
             shard_optimizer_state=shard_optimizer_state,
+            strict=strict,
         )
         self._communication_options = communication_options
         self._cluster_resolver = join_cluster(
@@ -125,7 +140,12 @@ class MultiWorkerMirroredStrategy(Strategy):
             implementation=communication_options.implementation,
             strategy_name="MultiWorkerMirroredStrategy",
         )
-        super().__init__(global_devices(), state_layout=state)
+        super().__init__(
+            global_devices(),
+            state_layout=state,
+            model_parallel=model_parallel,
+            layout_map=layout_map,
+        )
 
     shard_variables = sharded_option(
         "shard_variables", "Whether variables are split over the devices (FSDP)."

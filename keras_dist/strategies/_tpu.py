@@ -5,11 +5,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import keras
+import numpy as np
 
 from keras_dist.cluster._tpu_resolver import TPUClusterResolver, joined
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._join import agree_on_seed
+from keras_dist.strategies.devices._mesh import check_model_parallel
 from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
+from keras_dist.strategies.state._model_layout import sharded_state
+from keras_dist.strategies.state._state_layout import sharded_option
 
 __all__ = ["TPUStrategy", "check_global_batch"]
 
@@ -42,9 +47,18 @@ class TPUStrategy(Strategy):
             `TPUClusterResolver()`: the TPU of this VM.
         experimental_device_assignment: must be `None`. tf's
             `DeviceAssignment` places one replica on several cores (model
-            parallelism) or on a subset of them; keras_dist's `TPUStrategy`
-            runs one replica on every device. For a subset of cores use
-            `kd.MirroredStrategy(["tpu:0", "tpu:1"])`.
+            parallelism: here `model_parallel`) or on a subset of them (here
+            `kd.MirroredStrategy(["tpu:0", "tpu:1"])`).
+        model_parallel: devices per replica: a 2-D mesh `("batch", "model")`
+            whose model axis follows the fastest links, inside each host.
+            Defaults to 1. See `MirroredStrategy`.
+        layout_map: a `keras.distribution.LayoutMap` or a function making
+            one (keras-hub's `Backbone.get_layout_map`). See
+            `MirroredStrategy`.
+        shard_variables: FSDP over `"batch"` (see `MirroredStrategy`).
+        shard_optimizer_state: ZeRO-1 over `"batch"`.
+        strict: with `layout_map`, a large variable no rule matches is an
+            error.
 
     Raises:
         keras_dist.errors.TPUNotFoundError: (a `ValueError`) if there is no
@@ -59,15 +73,28 @@ class TPUStrategy(Strategy):
         self,
         tpu_cluster_resolver: TPUClusterResolver | None = None,
         experimental_device_assignment: Any = None,
+        *,
+        model_parallel: int = 1,
+        layout_map: Any = None,
+        shard_variables: bool = False,
+        shard_optimizer_state: bool = False,
+        strict: bool = False,
     ):
         if experimental_device_assignment is not None:
             raise ValueError(
                 "`experimental_device_assignment` is not supported: keras_dist's "
-                "TPUStrategy runs one replica on every TPU device, ordered by "
-                "topology. Received: experimental_device_assignment="
-                f"{experimental_device_assignment!r}. Leave it None; for a subset "
-                'of the cores use kd.MirroredStrategy(["tpu:0", "tpu:1", ...]).'
+                "TPUStrategy orders every TPU device by topology. Received: "
+                f"experimental_device_assignment={experimental_device_assignment!r}."
+                " Leave it None; for several cores per replica (model "
+                "parallelism) pass `model_parallel=k`, and for a subset of the "
+                'cores use kd.MirroredStrategy(["tpu:0", "tpu:1", ...]).'
             )
+        check_model_parallel(model_parallel, layout_map)
+        state = sharded_state(
+            shard_variables=shard_variables,
+            shard_optimizer_state=shard_optimizer_state,
+            strict=strict,
+        )
         resolver = joined(
             tpu_cluster_resolver,
             argument="tpu_cluster_resolver",
@@ -75,7 +102,23 @@ class TPUStrategy(Strategy):
         )
         self._cluster_resolver = resolver
         agree_on_seed()
-        super().__init__(_as_jax_devices(tpu_device_order(resolver.devices)))
+        k = model_parallel
+        if isinstance(layout_map, keras.distribution.LayoutMap):
+            k = int(np.shape(layout_map.device_mesh.devices)[-1])
+        super().__init__(
+            _as_jax_devices(tpu_device_order(resolver.devices, k)),
+            state_layout=state,
+            model_parallel=model_parallel,
+            layout_map=layout_map,
+        )
+
+    shard_variables = sharded_option(
+        "shard_variables", "Whether variables are split over the replicas (FSDP)."
+    )
+    shard_optimizer_state = sharded_option(
+        "shard_optimizer_state",
+        "Whether optimizer slots are split over the replicas (ZeRO-1).",
+    )
 
     def check_global_batch(self, batch_size: int) -> None:
         check_global_batch(self, batch_size)

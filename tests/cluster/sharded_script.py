@@ -3,7 +3,8 @@
 ParameterServerStrategy (FixedShardsPartitioner(8)) and
 MultiWorkerMirroredStrategy with `shard_variables` (FSDP) and
 `shard_optimizer_state` (ZeRO-1) over 2 processes x 4 devices: the split
-variables have parts on both processes. Writes `result_<rank>.json`: the
+variables have parts on both processes; and with `model_parallel=4`: a
+(2, 4) mesh, the model split inside each process. Writes `result_<rank>.json`: the
 `_workload` numbers and a keras-hub GPT-2's (compared with one device by the
 test) and the shapes of the parts each process holds.
 """
@@ -27,6 +28,11 @@ STRATEGIES = {
     ),
     "zero1": lambda: kd.MultiWorkerMirroredStrategy(
         communication_options=OPTIONS, shard_optimizer_state=True
+    ),
+    # A (2, 4) mesh: each process is one replica of 4 devices holding the
+    # model between them; "batch" spans the processes.
+    "model_parallel": lambda: kd.MultiWorkerMirroredStrategy(
+        communication_options=OPTIONS, model_parallel=4
     ),
 }
 built = {name: make() for name, make in STRATEGIES.items()}
@@ -71,6 +77,7 @@ for name, strategy in built.items():
     os.makedirs(checkpoints, exist_ok=True)
     results[name] = {
         "replicas": strategy.num_replicas_in_sync,
+        "mesh": dict(strategy.mesh.shape),
         "num_processes": strategy.num_processes,
         "parts": parts(strategy),
         "fit": _workload.fit_run(strategy, checkpoints),

@@ -5,7 +5,8 @@ FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
 each variable has parts on both processes: fit (NumPy, PyDataset, tf.data),
 evaluate, predict, ModelCheckpoint (every process takes part in the gather,
 the chief writes), a custom loop and (FSDP) a keras-hub GPT-2 must give
-the one-device numbers.
+the one-device numbers; so must `model_parallel=4` on a (2, 4) mesh whose
+replicas (mesh rows) each stay inside one process.
 """
 
 import functools
@@ -24,6 +25,7 @@ from tests.cluster.test_multi_worker import launch
 
 HERE = pathlib.Path(__file__).parent
 NAMES = ("fsdp", "parameter_server", "zero1")
+FIT_NAMES = (*NAMES, "model_parallel")
 pytestmark = pytest.mark.slow
 
 
@@ -67,7 +69,29 @@ def test_each_process_holds_its_four_eighths(cluster, name):
         assert split == (10 if name == "zero1" else 17)
 
 
-@pytest.mark.parametrize("name", NAMES)
+def test_model_parallel_keeps_each_replica_inside_a_process(cluster):
+    _, results = cluster
+    for result in results:
+        got = result["model_parallel"]
+        assert got["mesh"] == {"batch": 2, "model": 4}
+        assert (got["replicas"], got["num_processes"]) == (2, 2)
+        split = 0
+        for path, (shape, held) in got["parts"].items():
+            # Automatic layouts: a kernel's wide side over the 4 devices of
+            # this process (its four parts, all here), vectors whole.
+            if len(shape) == 2:
+                axis = max(
+                    (i for i in (0, 1) if shape[i] % 4 == 0), key=shape.__getitem__
+                )
+                part = [d // 4 if i == axis else d for i, d in enumerate(shape)]
+                split += 1
+            else:
+                part = shape
+            assert held == [part] * 4, path
+        assert split == 6  # 2 kernels and their 2 Adam moments each.
+
+
+@pytest.mark.parametrize("name", FIT_NAMES)
 def test_fit_evaluate_predict_match_one_device(cluster, name):
     _, results = cluster
     expected, _ = reference()
@@ -86,7 +110,7 @@ def test_fit_evaluate_predict_match_one_device(cluster, name):
     assert results[0][name]["fit"]["weights"] == results[1][name]["fit"]["weights"]
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", FIT_NAMES)
 def test_chief_writes_loadable_checkpoints_of_split_variables(cluster, name):
     workdir, results = cluster
     files = sorted(p.name for p in (workdir / name).glob("ckpt_*"))

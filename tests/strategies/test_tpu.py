@@ -289,3 +289,36 @@ def test_fit_with_a_batch_that_does_not_fill_the_cores_warns(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         model.evaluate(x, y, batch_size=16, verbose=0)
+
+
+@pytest.mark.parametrize("model_parallel", [2, 4])
+def test_a_2d_order_is_jax_create_device_mesh_row_by_row(model_parallel):
+    # JAX lays the model axis of a (n / k, k) mesh along the fastest links.
+    expected = mesh_utils.create_device_mesh(
+        (8 // model_parallel, model_parallel), V5E_8
+    )
+    assert tpu_device_order(V5E_8, model_parallel) == list(expected.flat)
+    order = tpu_device_order(V4_16, model_parallel)  # 2 hosts: rows stay in one.
+    rows = np.array(order, dtype=object).reshape(-1, model_parallel)
+    assert all(len({d.process_index for d in row}) == 1 for row in rows)
+
+
+def test_model_parallel_on_a_tpu_trains_as_one_device(monkeypatch):
+    monkeypatch.setattr(_tpu, "_as_jax_devices", lambda ds: [CPU[d.id] for d in ds])
+    resolver = kd.cluster.TPUClusterResolver(devices=V5E_8)
+    strategy = kd.TPUStrategy(resolver, model_parallel=2)
+    expected = mesh_utils.create_device_mesh((4, 2), V5E_8)
+    assert strategy.devices == tuple(CPU[d.id] for d in expected.flat)
+    assert dict(strategy.mesh.shape) == {"batch": 4, "model": 2}
+    assert strategy.num_replicas_in_sync == 4
+    x, y, sw = make_data(37, seed=0)
+    weights = initial_weights()
+    results = []
+    for s in (kd.OneDeviceStrategy("cpu:0"), strategy):
+        model = build_in_scope(s, weights)
+        history = model.fit(
+            x, y, sample_weight=sw, batch_size=10, epochs=2, shuffle=False, verbose=0
+        )
+        results.append((history.history, model.get_weights()))
+    assert_history_close(results[0][0], results[1][0])
+    assert_weights_close(results[0][1], results[1][1])

@@ -22,8 +22,11 @@ from jax.experimental import mesh_utils
 __all__ = ["tpu_device_order"]
 
 
-def tpu_device_order(devices: Sequence[Any]) -> list:
-    """TPU devices in topology order for a 1-D data-parallel mesh.
+def tpu_device_order(devices: Sequence[Any], model_parallel: int = 1) -> list:
+    """TPU devices in topology order for a 1-D data-parallel mesh, or, with
+    `model_parallel=k`, row by row for a 2-D `(n / k, k)` mesh whose model
+    axis JAX lays along the fastest links (each k devices in a row share a
+    host).
 
     Works on any objects with the attributes of a TPU `jax.Device`: `id`,
     `platform`, `device_kind`, `coords`, `core_on_chip`, `process_index`
@@ -32,6 +35,8 @@ def tpu_device_order(devices: Sequence[Any]) -> list:
 
     Args:
         devices: every device of the TPU system (all hosts, all slices).
+        model_parallel: devices per replica (a divisor of each host's
+            devices; `build_device_mesh` checks it). Defaults to 1.
 
     Returns:
         The same devices, reordered: slice by slice, host by host, and within
@@ -52,12 +57,14 @@ def tpu_device_order(devices: Sequence[Any]) -> list:
     granule = "process_index" if len(processes) > 1 else "slice_index"
     counts = _group_sizes(devices, granule)
     try:
+        k = model_parallel if counts[0] % model_parallel == 0 else 1
+        per_granule = (counts[0] // k, k) if k > 1 else (counts[0],)
         if len(counts) == 1:
-            mesh = mesh_utils.create_device_mesh((len(devices),), devices)
+            mesh = mesh_utils.create_device_mesh(per_granule, devices)
         else:
             mesh = mesh_utils.create_hybrid_device_mesh(
-                (counts[0],),
-                (len(counts),),
+                per_granule,
+                (len(counts), 1) if k > 1 else (len(counts),),
                 devices,
                 process_is_granule=granule == "process_index",
                 should_sort_granules_by_key=False,  # Already (slice, host) order.
