@@ -12,6 +12,7 @@ import keras_hub
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src.backend.jax.core import JaxVariable
 
 import keras_dist as kd
 
@@ -472,3 +473,58 @@ def test_a_rule_of_the_wrong_rank_is_refused():
     ):
         with strategy.scope():
             _mlp()
+
+
+def test_from_preset_in_the_scope_loads_each_weight_in_parts(tmp_path, monkeypatch):
+    # A local preset (no downloads here), loaded into a (2, 4) mesh with FSDP:
+    # every variable of this Gemma is split, so the device-to-device guard
+    # proves no split weight was ever whole on one device (loaded values go
+    # host -> parts). The bytes of the strategy's arrays on a device, read
+    # before and after each weight is assigned, never pass 1.1x its share.
+    keras.utils.set_random_seed(1)
+    source = _gemma().backbone
+    source.save_to_preset(str(tmp_path))
+    strategy = kd.MirroredStrategy(model_parallel=4, shard_variables=True)
+    device = strategy.devices[0]
+
+    def on_device():
+        arrays = jax.live_arrays()
+        named = sum(
+            s.data.nbytes
+            for a in arrays
+            if isinstance(a.sharding, jax.sharding.NamedSharding)
+            for s in a.addressable_shards
+            if s.device == device
+        )
+        whole = {tuple(a.shape) for a in arrays if len(a.sharding.device_set) == 1}
+        return named, whole
+
+    _, whole_before = on_device()
+    seen, new_whole = [], set()
+    assign = JaxVariable.assign
+
+    def observed(variable, value):
+        named, whole = on_device()
+        seen.append(named)
+        new_whole.update(whole - whole_before)
+        assign(variable, value)
+        seen.append(on_device()[0])
+
+    monkeypatch.setattr(JaxVariable, "assign", observed)
+    with strategy.scope(), jax.transfer_guard_device_to_device("disallow_explicit"):
+        loaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path))
+    monkeypatch.undo()
+    share = sum(
+        s.data.nbytes
+        for v in loaded.weights
+        for s in v.value.addressable_shards
+        if s.device == device
+    )
+    assert len(seen) == 2 * len(loaded.weights)
+    assert max(seen) <= 1.1 * share
+    for v in loaded.weights:  # Each in 8 parts, or a vector in 2 (FSDP only).
+        parts = v.value.nbytes // v.value.addressable_shards[0].data.nbytes
+        assert parts == (2 if len(v.shape) == 1 else 8), v.path
+    assert not new_whole & {tuple(v.shape) for v in loaded.weights}
+    for got, want in zip(loaded.get_weights(), source.get_weights(), strict=True):
+        np.testing.assert_array_equal(got, want)
