@@ -126,3 +126,13 @@ def test_readme_mixed_precision_custom_loop_skips_on_every_replica():
         "finite False, loss scale 16384.0",
         "finite True, loss scale 16384.0",
     ]
+
+
+def test_readme_model_parallel_example_runs():
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n### A second mesh axis:", 1)[1].split("\n## ", 1)[0]
+    block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+    out = _run(["-c", block]).strip().splitlines()
+    assert out[0] == "2 {'batch': 2, 'model': 4}"
+    assert out[1] == "(37, 12)"
+    assert out[2] == "P('model', 'batch')"
