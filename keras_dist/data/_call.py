@@ -98,11 +98,17 @@ class StepStats:
         steps: steps run.
         dispatches: programs called for them (`steps` / N with fused groups).
         seconds: host seconds inside those calls.
+        program: the first compiled program called, as `(program, abstract
+            arguments, steps per call)`, for its `StepCost`
+            (`training/_step_cost.py`); None before one runs, or eager.
+        cost: that `StepCost`, once read.
     """
 
     steps: int = 0
     dispatches: int = 0
     seconds: float = 0.0
+    program: Any = None
+    cost: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

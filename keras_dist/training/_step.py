@@ -36,6 +36,7 @@ from keras_dist.data import _call, _partial_batch
 from keras_dist.data._replica_rows import layout_of, replica_rows
 from keras_dist.data.resident._resident_batch import ResidentTuple, gathered
 from keras_dist.strategies._base import Strategy
+from keras_dist.training._step_cost import abstract
 
 __all__ = ["StepProgram", "TimedStep"]
 
@@ -191,11 +192,15 @@ def _timed(program: Callable, *, steps: int, pacer) -> Callable:
     devices).
     """
 
+    lowers = hasattr(program, "lower")  # Compiled: its cost can be read.
+
     @functools.wraps(program)
     def timed(*args, **kwargs):
+        call = _call.current
+        if lowers and call is not None and call.step_stats.program is None:
+            call.step_stats.program = (program, abstract((args, kwargs)), steps)
         start = time.perf_counter()
         outputs = program(*args, **kwargs)
-        call = _call.current
         if call is not None:
             stats = call.step_stats
             stats.steps += steps

@@ -10,6 +10,7 @@ import keras
 from keras_dist.data import _call
 from keras_dist.strategies.state._memory_report import MemoryReport
 from keras_dist.strategies.state._ownership import strategy_of_model
+from keras_dist.training._step_cost import peak_flops, step_cost
 from keras_dist.utils._step_breakdown import (
     Interval,
     Tally,
@@ -61,6 +62,14 @@ class ScalingReport(keras.callbacks.Callback):
     (`strategy.memory_report(model)`): bytes of weights and optimizer state
     per device and in all, host memory, and how many variables are split.
 
+    And what a training step computes and sends, read from the program XLA
+    compiled (`training/_step_cost.py`): the model's FLOPs per step
+    (`result["model_flops_per_step"]`, from its cost analysis), the bytes
+    of its collectives on a device per step (`result["collective_bytes"]`,
+    by kind) and, given the devices' peak FLOP/s (`peak_flops`, or known
+    for current TPUs and GPUs), the model FLOPs utilization
+    (`result["mfu"]`).
+
     After `fit`, `report.result` holds the numbers (a dict); with
     `print_summary=True` the chief prints them as one screen.
 
@@ -77,14 +86,33 @@ class ScalingReport(keras.callbacks.Callback):
         print_summary: print the summary at the end of `fit` (chief only).
         input_bound_fraction: input time / step time above which the run is
             called input-bound. Defaults to 0.8.
+        peak_flops: one device's peak FLOP/s, for MFU. Defaults to None:
+            the figure for the device kind (`PEAK_FLOPS`: TPU v2-v6e, Ironwood,
+            H100/H200, A100, L4, A10G; none for CPUs).
 
     Raises:
         TypeError: if `input_bound_fraction` is not a number.
         ValueError: if `input_bound_fraction` is not in (0, 1].
     """
 
-    def __init__(self, print_summary: bool = True, input_bound_fraction: float = 0.8):
+    def __init__(
+        self,
+        print_summary: bool = True,
+        input_bound_fraction: float = 0.8,
+        peak_flops: float | None = None,
+    ):
         super().__init__()
+        if peak_flops is not None and (
+            isinstance(peak_flops, bool)
+            or not isinstance(peak_flops, int | float)
+            or peak_flops <= 0
+        ):
+            raise ValueError(
+                "`peak_flops` must be a positive number of FLOP/s of one device "
+                "(e.g. 197e12 for a TPU v5e chip). Received: "
+                f"peak_flops={peak_flops!r}."
+            )
+        self.peak_flops = peak_flops
         if isinstance(input_bound_fraction, bool) or not isinstance(
             input_bound_fraction, int | float
         ):
@@ -181,6 +209,9 @@ class ScalingReport(keras.callbacks.Callback):
         breakdown = step_breakdown(timed)
         everything = sum((i.tally for i in self._epochs), Tally())
         memory = None if strategy is None else strategy.memory_report(self.model)
+        devices = 1 if strategy is None else len(strategy.devices)
+        cost = None if call is None else step_cost(call.step_stats, devices)
+        peak = self.peak_flops or peak_flops(jax.devices()[0])
         return {
             "strategy": repr(strategy) if strategy is not None else None,
             "replicas": strategy.num_replicas_in_sync if strategy is not None else 1,
@@ -209,6 +240,12 @@ class ScalingReport(keras.callbacks.Callback):
             "breakdown": breakdown,
             "total_seconds": total,
             "memory": None if memory is None else _memory_summary(memory),
+            "model_flops_per_step": None if cost is None else cost.flops,
+            "collective_bytes": None if cost is None else cost.collective_bytes,
+            "peak_flops": peak,
+            "mfu": None
+            if cost is None or not step or not peak
+            else cost.mfu(step, peak),
         }
 
     def format(self) -> str:
@@ -247,6 +284,21 @@ class ScalingReport(keras.callbacks.Callback):
             )
         if r["memory"] is not None:
             lines += _memory_lines(r["memory"])
+        if r["model_flops_per_step"] is not None:
+            sent = _bytes(sum(r["collective_bytes"].values()))
+            gflop = r["model_flops_per_step"] / 1e9
+            lines.append(
+                f"  compute         {gflop:.3f} GFLOP per step; collectives "
+                f"{sent} per device per step"
+            )
+            lines.append(
+                "  MFU             "
+                + (
+                    f"{r['mfu']:.1%} of {r['peak_flops'] / 1e12:g} TFLOP/s per device"
+                    if r["mfu"] is not None
+                    else "n/a (peak FLOP/s unknown: ScalingReport(peak_flops=...))"
+                )
+            )
         if r["input_bound"]:
             lines.append(
                 "  INPUT-BOUND: producing a batch takes "
@@ -265,7 +317,7 @@ def _memory_summary(report: MemoryReport) -> dict:
         "optimizer_bytes_per_device": report.optimizer_bytes_per_device,
         "host_bytes_per_device": report.host_bytes_per_device,
         "variables": len(report.variables),
-        "split_variables": sum(v.axis is not None for v in report.variables),
+        "split_variables": sum(v.parts > 1 for v in report.variables),
     }
 
 

@@ -190,3 +190,69 @@ def test_bad_threshold():
     ):
         kd.utils.ScalingReport(input_bound_fraction="0.5")
     assert kd.utils.ScalingReport(input_bound_fraction=1).input_bound_fraction == 1
+
+
+def _dense_fit(strategy, report, steps_per_execution=1):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(8)]
+        )
+        model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
+    x = np.ones((512, 64), "float32")
+    model.fit(
+        x,
+        np.ones((512, 8), "float32"),
+        batch_size=64,
+        epochs=2,
+        verbose=0,
+        callbacks=[report],
+    )
+    return sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_model_flops_and_collectives_come_from_the_compiled_step(steps_per_execution):
+    report = kd.utils.ScalingReport(print_summary=False, peak_flops=1e12)
+    params = _dense_fit(mirrored(8), report, steps_per_execution)
+    r = report.result
+    # A dense step: 2 FLOPs per weight and example forward, 2 for the weights'
+    # gradients, 2 for the inputs' (all but the first layer's): 4 to 6.
+    assert 4 * params * 64 <= r["model_flops_per_step"] <= 6 * params * 64
+    # Mirrored: each device all-reduces every gradient (float32) once a step,
+    # and the loss and metrics' few scalars.
+    assert set(r["collective_bytes"]) == {"all-reduce"}
+    assert 4 * params <= r["collective_bytes"]["all-reduce"] <= 4 * params + 64
+    step = r["ms_per_step"] / 1e3
+    assert r["mfu"] == pytest.approx(r["model_flops_per_step"] / (step * 1e12 * 8))
+    assert re.search(r"MFU +\d+\.\d% of 1 TFLOP/s per device", report.format())
+
+
+def test_a_2d_mesh_sends_less_than_mirrored_and_the_same_flops():
+    reports = [kd.utils.ScalingReport(print_summary=False) for _ in range(2)]
+    _dense_fit(mirrored(8), reports[0])
+    _dense_fit(kd.MirroredStrategy(model_parallel=4), reports[1])
+    mirrored_r, two_d = (r.result for r in reports)
+    assert two_d["model_flops_per_step"] == pytest.approx(
+        mirrored_r["model_flops_per_step"], rel=0.25
+    )
+    sent = sum(two_d["collective_bytes"].values())
+    assert sent < 0.5 * sum(mirrored_r["collective_bytes"].values())
+    assert two_d["mfu"] is None  # CPU: no known peak, and none given.
+    assert "MFU             n/a (peak FLOP/s unknown" in reports[1].format()
+
+
+def test_peak_flops_by_device_kind_and_bad_values():
+    from keras_dist.training._step_cost import peak_flops
+
+    def device(kind):
+        return type("D", (), {"device_kind": kind})()
+
+    assert peak_flops(device("TPU v5 lite")) == 197e12
+    assert peak_flops(device("TPU v5p")) == 459e12
+    assert peak_flops(device("NVIDIA H100 80GB HBM3")) == 989e12
+    assert peak_flops(device("cpu")) is None
+    with pytest.raises(ValueError, match=r"Received: peak_flops=0"):
+        kd.utils.ScalingReport(peak_flops=0)
+    with pytest.raises(ValueError, match=r"Received: peak_flops='1e12'"):
+        kd.utils.ScalingReport(peak_flops="1e12")
