@@ -245,8 +245,8 @@ class Strategy(keras.distribution.DataParallel):
         finally:
             # Layout warnings (dimensions kept whole, variables no rule
             # matched) come once, for what was built in the scope.
-            # (From here: the scope, contextlib's exit, the user's `with`.)
-            self._state_layout.take_warnings(stacklevel=4)
+            # Attributed to the user's `with` (1: here, 2: contextlib's exit).
+            self._state_layout.take_warnings(stacklevel=3)
 
     def check_global_batch(self, batch_size: int) -> None:
         """Called with each `batch_size` of a call; a strategy may warn."""

@@ -140,7 +140,9 @@ class ModelParallelStateLayout(ShardedStateLayout):
 
     def reason(self, path: str, shape: tuple[int, ...], dtype: Any) -> str:
         """How the variable at `path` was laid out."""
-        plan = self._plans.get(path) or self.plan(path, shape, dtype)
+        plan = self._plans.get(path)
+        if plan is None:  # Made with a layout of its own: an optimizer slot.
+            return "laid out as its weight"
         return plan.reason
 
     def plan(self, path: str, shape: tuple[int, ...], dtype: Any) -> LayoutPlan:

@@ -109,7 +109,12 @@ class StateLayout:
         return state
 
     def take_warnings(self, stacklevel: int = 2) -> None:
-        """Warns once about what the layouts of new variables could not do."""
+        """Warns once about what the layouts of new variables could not do.
+
+        Args:
+            stacklevel: the frame the warning names, counted from the caller
+                of `take_warnings` (1), as `warnings.warn` counts.
+        """
 
 
 def sharded_option(name: str, doc: str) -> property:
