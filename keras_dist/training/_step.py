@@ -108,12 +108,15 @@ def _prepared(step: Callable, strategy: Strategy, *, predict: bool) -> Callable:
     take = strategy.placement.take_rows
     outputs_whole = predict and strategy.spans_processes
     replicated = strategy.state_layout.replicated
+    cut = _partial_batch.unpad
+    if strategy.model_parallel > 1:
+        cut = functools.partial(_cut_whole, constrain=strategy.state_layout)
 
     @functools.wraps(step)
     def prepared(*args, **kwargs):
         args = tuple(gathered(a, take) for a in args)
         with replica_rows(layout_of(args, replicas)):
-            outputs, state = step(*(_partial_batch.unpad(a) for a in args), **kwargs)
+            outputs, state = step(*(cut(a) for a in args), **kwargs)
         if outputs_whole:
             outputs = jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, replicated), outputs
@@ -121,6 +124,30 @@ def _prepared(step: Callable, strategy: Strategy, *, predict: bool) -> Callable:
         return outputs, state
 
     return prepared
+
+
+def _cut_whole(data: Any, *, constrain: Any) -> Any:
+    """A padded batch's real rows, laid out whole on every device (2-D meshes).
+
+    Works around an XLA SPMD bug: on a mesh with a model axis, a batch split
+    unevenly over `"batch"` (the real rows of a padded batch) gets wrong
+    gradients through a row gather of row statistics (per-replica
+    BatchNormalization's; `x - (onehot @ x)[groups]`), while its forward pass
+    is right. On a 1-D mesh it is right; so is the same program on rows
+    laid out whole. Only the partial last batch of a pass pays: its step
+    computes on every replica. (`tests/strategies/test_model_parallel.py::
+    test_xla_still_needs_the_uneven_2d_workaround` fails once XLA is fixed.)
+    """
+    if not isinstance(data, _partial_batch.PaddedBatch):
+        return data
+    return jax.tree.map(
+        lambda leaf: (
+            constrain.replicated_constraint(leaf)
+            if isinstance(leaf, jax.Array) and leaf.ndim
+            else leaf
+        ),
+        _partial_batch.unpad(data),
+    )
 
 
 def _state_moved_in(program: Callable, strategy: Strategy) -> Callable:

@@ -7,6 +7,7 @@ evaluate and predict to rtol 1e-4, with a partial last batch.
 import warnings
 
 import jax
+import jax.numpy as jnp
 import keras
 import keras_hub
 import numpy as np
@@ -499,7 +500,7 @@ def test_from_preset_in_the_scope_loads_each_weight_in_parts(tmp_path, monkeypat
         whole = {tuple(a.shape) for a in arrays if len(a.sharding.device_set) == 1}
         return named, whole
 
-    _, whole_before = on_device()
+    before, whole_before = on_device()  # Other tests' arrays, in this process.
     seen, new_whole = [], set()
     assign = JaxVariable.assign
 
@@ -521,10 +522,148 @@ def test_from_preset_in_the_scope_loads_each_weight_in_parts(tmp_path, monkeypat
         if s.device == device
     )
     assert len(seen) == 2 * len(loaded.weights)
-    assert max(seen) <= 1.1 * share
+    assert max(seen) - before <= 1.1 * share
     for v in loaded.weights:  # Each in 8 parts, or a vector in 2 (FSDP only).
         parts = v.value.nbytes // v.value.addressable_shards[0].data.nbytes
         assert parts == (2 if len(v.shape) == 1 else 8), v.path
     assert not new_whole & {tuple(v.shape) for v in loaded.weights}
     for got, want in zip(loaded.get_weights(), source.get_weights(), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+# Features that depend on the replicas: a (4, 2) mesh has 4 replicas of 2
+# devices, so it must train exactly as 4 replicas of one device do.
+
+
+def _bn_model(layer):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32),
+            layer,
+            keras.layers.Dense(4),
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    "feature",
+    [
+        "per_replica_batch_norm",
+        "sync_batch_norm",
+        "mixed_bfloat16",
+        "gradient_accumulation",
+    ],
+)
+def test_replica_features_on_4x2_equal_4_replicas(feature):
+    # Batches of 16 over 4 replicas; the last one, 10 rows, gives 4, 4, 2 and 0
+    # to the replicas (a replica of one row has per-replica moments that only
+    # rounding decides: not a fair comparison).
+    x, y = _mlp_data(42)
+
+    def build():
+        if feature == "per_replica_batch_norm":
+            return _bn_model(kd.layers.BatchNormalization())
+        if feature == "sync_batch_norm":
+            return _bn_model(kd.layers.SyncBatchNormalization())
+        return _mlp()
+
+    runs = []
+    for strategy in (
+        kd.MirroredStrategy([f"cpu:{i}" for i in range(4)]),
+        kd.MirroredStrategy(model_parallel=2),
+    ):
+        assert strategy.num_replicas_in_sync == 4
+        policy = keras.config.dtype_policy()
+        if feature == "mixed_bfloat16":
+            keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            with strategy.scope():
+                model = build()
+                optimizer = (
+                    keras.optimizers.SGD(0.05, gradient_accumulation_steps=2)
+                    if feature == "gradient_accumulation"
+                    else "adam"
+                )
+                model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+            history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+            runs.append(
+                (
+                    history.history["loss"],
+                    model.get_weights(),
+                    model.predict(x, batch_size=16, verbose=0),
+                )
+            )
+        finally:
+            keras.config.set_dtype_policy(policy)
+    (losses, weights, predicted), (losses2, weights2, predicted2) = runs
+    rtol = 2e-2 if feature == "mixed_bfloat16" else RTOL
+    # Before a BatchNormalization, the Dense bias's gradient is 0: its values
+    # are rounding noise (~1e-5).
+    atol = {"mixed_bfloat16": 1e-2, "gradient_accumulation": 1e-5}.get(feature, 1e-4)
+    np.testing.assert_allclose(losses2, losses, rtol=rtol)
+    np.testing.assert_allclose(predicted2, predicted, rtol=rtol, atol=rtol)
+    for got, want in zip(weights2, weights, strict=True):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def test_xla_still_needs_the_uneven_2d_workaround():
+    """XLA's SPMD partitioner: wrong gradients on a (4, 2) mesh (JAX 0.10).
+
+    Rows split unevenly over "batch" (10 of 16, a padded batch cut back),
+    minus a row gather of group means: the forward pass is right, the
+    gradient is not; on a 1-D mesh, or with the rows laid out whole, it is
+    right. keras_dist lays out a cut batch whole on 2-D meshes
+    (`training/_step.py::_cut_whole`). When this test fails, XLA is fixed:
+    remove that workaround and this test.
+    """
+    x = np.random.RandomState(0).randn(16, 32).astype("float32")
+    groups = np.arange(10) // 4
+    onehot = (groups[None, :] == np.arange(3)[:, None]).astype("float32")
+
+    def loss(rows):
+        return jnp.sum((rows[:10] - (onehot @ rows[:10])[groups]) ** 2)
+
+    want = jax.grad(loss)(x)
+    mesh = kd.MirroredStrategy(model_parallel=2).mesh
+    split = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+    )
+    np.testing.assert_allclose(jax.jit(loss)(split), loss(x), rtol=1e-5)
+    error = float(np.abs(np.asarray(jax.jit(jax.grad(loss))(split)) - want).max())
+    assert error > 1.0, "XLA computes this gradient right now: drop the workaround"
+
+
+def test_backup_and_restore_resumes_exactly_on_a_2d_mesh(tmp_path):
+    x, y = _mlp_data()
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() == 9:  # Mid-epoch 2.
+                raise KeyboardInterrupt
+
+    def fit(callbacks):
+        strategy = kd.MirroredStrategy(model_parallel=4)
+        with strategy.scope():
+            model = _compile(_mlp())
+        backup = kd.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+        history = model.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=3,
+            verbose=0,
+            shuffle=False,
+            callbacks=[backup, *callbacks],
+        )
+        return model, history
+
+    with pytest.raises(KeyboardInterrupt):
+        fit([StopAt()])
+    resumed, _ = fit([])
+    with kd.OneDeviceStrategy("cpu:0").scope():
+        whole = _compile(_mlp())
+    whole.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
+    for got, want in zip(resumed.get_weights(), whole.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
