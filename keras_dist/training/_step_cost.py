@@ -47,9 +47,11 @@ _DTYPE_BYTES = {
     "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
     "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
 }  # fmt: skip
-# `%name = f32[8,128]{1,0} all-reduce(` or `(f32[2], f32[4]) all-gather-start(`
+# `%name = f32[8,128]{1,0} all-reduce(`, or a tuple (XLA combines
+# collectives) `(f32[2], ..., /*index=5*/f32[4]) all-reduce(`: no parentheses
+# inside.
 _OP = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"=\s*(?P<shape>\([^()]*\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>" + "|".join(_COLLECTIVES) + r")(?P<start>-start)?\("
 )
 _ARRAY = re.compile(r"(?P<dtype>[a-z0-9]+)\[(?P<dims>[0-9,]*)\]")

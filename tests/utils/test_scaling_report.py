@@ -195,8 +195,16 @@ def test_bad_threshold():
 def _dense_fit(strategy, report, steps_per_execution=1):
     with strategy.scope():
         keras.utils.set_random_seed(0)
+        # Enough weights that XLA's combined all-reduce is a tuple whose
+        # text numbers its elements (`/*index=5*/`).
         model = keras.Sequential(
-            [keras.Input((64,)), keras.layers.Dense(256), keras.layers.Dense(8)]
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(256),
+                keras.layers.Dense(32),
+                keras.layers.Dense(16),
+                keras.layers.Dense(8),
+            ]
         )
         model.compile("sgd", "mse", steps_per_execution=steps_per_execution)
     x = np.ones((512, 64), "float32")
