@@ -305,7 +305,8 @@ def test_keras_hub_causal_lm_on_a_2d_mesh_equals_one_device(lm_references, kind,
         assert whole == []
 
 
-def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references):
+@pytest.mark.parametrize("kind", ["gemma", "llama"])
+def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references, kind):
     rng = np.random.RandomState(3)
     prompt = {
         "token_ids": np.concatenate(
@@ -313,11 +314,9 @@ def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references):
         ).astype("int32"),
         "padding_mask": np.arange(12)[None, :].repeat(3, 0) < 4,
     }
-    want = lm_references["gemma"][0].generate(
-        prompt, max_length=12, stop_token_ids=None
-    )
+    want = lm_references[kind][0].generate(prompt, max_length=12, stop_token_ids=None)
     strategy = kd.MirroredStrategy(model_parallel=4)
-    model = _lm_run(strategy, "gemma")[0]
+    model = _lm_run(strategy, kind)[0]
     got = model.generate(prompt, max_length=12, stop_token_ids=None)
     np.testing.assert_array_equal(got["token_ids"], want["token_ids"])
     assert (got["token_ids"][:, 4:] != 0).all()  # It generated.
@@ -667,3 +666,62 @@ def test_backup_and_restore_resumes_exactly_on_a_2d_mesh(tmp_path):
     whole.fit(x, y, batch_size=16, epochs=3, verbose=0, shuffle=False)
     for got, want in zip(resumed.get_weights(), whole.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+
+
+def test_a_preset_saved_on_a_2d_mesh_loads_on_one_device(tmp_path, lm_references):
+    x, _ = _tokens()
+    model = _lm_run(kd.MirroredStrategy(model_parallel=4), "llama")[0]
+    model.backbone.save_to_preset(str(tmp_path))
+    want = model.backbone.predict(x, batch_size=8, verbose=0)
+    for strategy in (
+        kd.OneDeviceStrategy("cpu:0"),
+        kd.MirroredStrategy(model_parallel=8),
+    ):
+        with strategy.scope():
+            loaded = keras_hub.models.LlamaBackbone.from_preset(str(tmp_path))
+        got = loaded.predict(x, batch_size=8, verbose=0)
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-5)
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        rows = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[rows], self.y[rows]
+
+
+@pytest.mark.parametrize("kind", ["py_dataset", "generator", "repeated_tf_data"])
+def test_other_input_kinds_on_a_2d_mesh(kind):
+    x, y = _mlp_data(45)  # Batches of 8; the last has 5 rows.
+
+    def fit(strategy):
+        with strategy.scope():
+            model = _compile(_mlp())
+        if kind == "py_dataset":
+            history = model.fit(_Batches(x, y, 8), epochs=2, verbose=0)
+        elif kind == "generator":
+
+            def batches():
+                for _ in range(2):
+                    for i in range(0, 45, 8):
+                        yield x[i : i + 8], y[i : i + 8]
+
+            history = model.fit(batches(), epochs=2, steps_per_epoch=6, verbose=0)
+        else:
+            data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+            history = model.fit(data, epochs=2, steps_per_epoch=6, verbose=0)
+        return history.history["loss"], model.get_weights()
+
+    (losses, weights), (want_losses, want) = (
+        fit(kd.MirroredStrategy(model_parallel=4)),
+        fit(kd.OneDeviceStrategy("cpu:0")),
+    )
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, expected in zip(weights, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=RTOL, atol=1e-5)
