@@ -41,3 +41,27 @@ def test_memory_benchmark_quick_mode(tmp_path):
     assert "| target | value | result |" in out
     assert (tmp_path / "memory.md").read_text().count("| central_storage |") == 1
     assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_model_parallel_benchmark_quick_mode(tmp_path):
+    configs = "one_device,mirrored_8x1,auto_2x4,hub_2x4"
+    args = ["--quick", "--configs", configs, "--steps", "1", "--repeats", "1"]
+    out = _run(["benchmarks/model_parallel.py", *args, "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "model_parallel_quick.json").read_text())
+    rows = payload["rows"]
+    assert list(rows) == configs.split(",")
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["model_flops_per_step"] > 0
+    assert payload["analysis"]["max_loss_rel_diff"] <= 1e-4
+    assert rows["one_device"]["communicated_bytes"] == 0
+    mirrored, two_d = rows["mirrored_8x1"], rows["auto_2x4"]
+    # Data parallelism all-reduces every float32 gradient once a step.
+    assert mirrored["collective_bytes"]["all-reduce"] >= mirrored["weight_bytes"]
+    assert two_d["mesh"] == {"batch": 2, "model": 4}
+    ratio = two_d["weight_bytes_per_device"] / mirrored["weight_bytes_per_device"]
+    assert 0.25 <= ratio <= 0.25 * 1.05
+    assert all(t["pass"] for t in payload["analysis"]["targets"])
+    assert "| hub_2x4 | (2, 4) |" in out
+    assert (tmp_path / "model_parallel_quick.png").stat().st_size > 10_000
