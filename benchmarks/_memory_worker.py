@@ -13,7 +13,6 @@ final loss and the numbers of `strategy.memory_report(model)`.
 import os
 import resource
 import sys
-import time
 
 from _runs import force_host_devices, print_result
 
@@ -25,6 +24,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import EpochTimer  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
@@ -94,18 +94,6 @@ def make_data():
     tokens = rng.randint(1, SPEC["vocab"], size=(n, seq + 1)).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((n, seq), "int32")}
     return x, tokens[:, 1:]
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):  # Keras waits for results here.
-        self.seconds.append(time.perf_counter() - self.start)
 
 
 def main():

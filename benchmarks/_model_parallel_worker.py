@@ -24,6 +24,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
+from _timing import EpochTimer  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
@@ -83,21 +84,6 @@ def make_data():
     tokens = rng.randint(1, SPEC["vocab"], size=(n, seq + 1)).astype("int32")
     x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((n, seq), bool)}
     return x, tokens[:, 1:]
-
-
-class EpochTimer(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        import time
-
-        self.clock = time.perf_counter
-        self.seconds = []
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = self.clock()
-
-    def on_epoch_end(self, epoch, logs=None):  # Keras waits for results here.
-        self.seconds.append(self.clock() - self.start)
 
 
 def main():

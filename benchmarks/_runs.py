@@ -9,6 +9,7 @@ no state carried from the previous one); the worker prints one line
 
 import json
 import os
+import pathlib
 import platform
 import re
 import statistics
@@ -148,3 +149,16 @@ def pyplot():
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
         return None
     return plt
+
+
+def write_results(out: str, stem: str, payload: dict, markdown, plot) -> None:
+    """Prints `markdown(payload)`; writes `stem.json`, `.md` and `.png` to `out`."""
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    text = markdown(payload)
+    print("\n" + text)
+    (folder / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (folder / f"{stem}.md").write_text(text)
+    if plot(payload, folder / f"{stem}.png"):
+        print(f"wrote {folder / stem}.png")
+    print(f"wrote {folder / stem}.json and .md")

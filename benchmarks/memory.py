@@ -25,11 +25,10 @@ and ParameterServer hold <= 1/4 of Mirrored's state per device. Writes
 import argparse
 import concurrent.futures
 import datetime
-import json
 import pathlib
 import platform
 
-from _runs import fmt, machine, pyplot, run_worker, targets_table
+from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
@@ -197,15 +196,7 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     payload["analysis"] = analyse(rows)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(payload)
-    print("\n" + text)
-    (out / "memory.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / "memory.md").write_text(text)
-    if plot(payload, out / "memory.png"):
-        print(f"wrote {out / 'memory.png'}")
-    print(f"wrote {out / 'memory.json'} and .md")
+    write_results(args.out, "memory", payload, markdown, plot)
     return payload
 
 

@@ -29,11 +29,10 @@ Writes `model_parallel.{json,md,png}` to `--out`.
 
 import argparse
 import datetime
-import json
 import pathlib
 import platform
 
-from _runs import fmt, machine, pyplot, run_worker, targets_table
+from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = [
@@ -228,16 +227,8 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     payload["analysis"] = analyse(rows)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = markdown(payload)
-    print("\n" + text)
-    stem = "model_parallel" if not args.quick else "model_parallel_quick"
-    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(text)
-    if plot(payload, out / f"{stem}.png"):
-        print(f"wrote {out / stem}.png")
-    print(f"wrote {out / stem}.json and .md")
+    stem = "model_parallel_quick" if args.quick else "model_parallel"
+    write_results(args.out, stem, payload, markdown, plot)
     return payload
 
 
