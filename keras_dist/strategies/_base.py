@@ -1,7 +1,6 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -12,6 +11,7 @@ from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
+from keras_dist.strategies._moved import install_moved_methods
 from keras_dist.strategies.devices._devices import device_name
 from keras_dist.strategies.devices._mesh import build_device_mesh, check_model_parallel
 from keras_dist.strategies.devices._placement import BATCH_AXIS, Pacer
@@ -381,41 +381,7 @@ class Strategy(keras.distribution.DataParallel):
     __str__ = __repr__
 
 
-# Input machinery that was public on every strategy: now `strategy.placement`'s,
-# where laying data out has one verb (`lay_out_*`).
-_MOVED_TO_PLACEMENT = {
-    "shard": "lay_out",
-    "shard_steps": "lay_out_steps",
-    "process_rows": "process_rows",
-    "step_numbers": "step_numbers",
-    "step_range": "step_range",
-    "place_dataset": "lay_out_dataset",
-    "place_blocks": "lay_out_blocks",
-    "place_rows": "lay_out_rows",
-    "exchange_rows": "exchange_rows",
-    "take_rows": "take_rows",
-}
-
-
-def _moved_to_placement(name: str, new_name: str) -> Callable:
-    def moved(self, *args, **kwargs):
-        warnings.warn(
-            f"`strategy.{name}` is input machinery and moved to "
-            f"`strategy.placement.{new_name}`; the strategy's own `{name}` will "
-            "be removed in a later release. To split data over the replicas, "
-            "pass it to `fit` or `strategy.experimental_distribute_dataset`.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(self.placement, new_name)(*args, **kwargs)
-
-    moved.__name__ = moved.__qualname__ = name
-    moved.__doc__ = f"Deprecated: use `strategy.placement.{new_name}`."
-    return moved
-
-
-for _name, _new_name in _MOVED_TO_PLACEMENT.items():
-    setattr(Strategy, _name, _moved_to_placement(_name, _new_name))
+install_moved_methods(Strategy)
 
 
 def _check_same_variable(variable) -> None:
