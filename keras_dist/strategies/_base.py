@@ -13,7 +13,7 @@ from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies._moved import install_moved_methods
 from keras_dist.strategies.devices._devices import device_name
-from keras_dist.strategies.devices._mesh import build_device_mesh, check_model_parallel
+from keras_dist.strategies.devices._mesh import build_device_mesh, made_layout_map
 from keras_dist.strategies.devices._placement import BATCH_AXIS, Pacer
 from keras_dist.strategies.devices._resident_placement import ResidentPlacement
 from keras_dist.strategies.replica import _cross_replica, _run
@@ -84,11 +84,10 @@ class Strategy(keras.distribution.DataParallel):
         if callable(layout_map) and not isinstance(
             layout_map, keras.distribution.LayoutMap
         ):
-            layout_map = layout_map(self.device_mesh)
-            check_model_parallel(1, layout_map)
+            layout_map = made_layout_map(layout_map, self.device_mesh)
         self._layout_map = layout_map
         owner = type(self).__name__
-        if self.model_parallel > 1:
+        if len(self.device_mesh.axis_names) > 1:  # ("batch", "model")
             self._state_layout = state_layout(
                 self.device_mesh, owner, layout_map=layout_map
             )

@@ -427,6 +427,34 @@ def test_a_layout_map_mesh_with_other_axes_or_devices_is_refused():
         )
 
 
+def test_a_layout_map_function_needs_a_model_axis_and_must_return_a_map():
+    get = keras_hub.models.GemmaBackbone.get_layout_map
+    with pytest.raises(
+        ValueError,
+        match=r"needs the size of the model axis.*"
+        r"Received: model_parallel=1",
+    ):
+        kd.MirroredStrategy(layout_map=get)
+    with pytest.raises(
+        TypeError, match=r"must return a `keras.distribution.LayoutMap`"
+    ):
+        kd.MirroredStrategy(model_parallel=2, layout_map=lambda mesh: {"x": None})
+
+
+def test_a_layout_map_on_an_8x1_mesh_still_applies_its_rules():
+    mesh = keras.distribution.DeviceMesh(
+        (8, 1), ("batch", "model"), devices=keras.distribution.list_devices()
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = ("batch", None)
+    strategy = kd.MirroredStrategy(layout_map=layout_map)
+    assert strategy.model_parallel == 1 and strategy.num_replicas_in_sync == 8
+    with strategy.scope():
+        model = _mlp()
+    spec = model.layers[0].kernel.value.sharding.spec
+    assert tuple(spec) == ("batch", None)
+
+
 def _strategy_with_rules(rules, **kwargs):
     mesh = keras.distribution.DeviceMesh(
         (2, 4), ("batch", "model"), devices=keras.distribution.list_devices()

@@ -23,7 +23,7 @@ import numpy as np
 
 from keras_dist.strategies.devices._placement import BATCH_AXIS
 
-__all__ = ["MODEL_AXIS", "build_device_mesh", "check_model_parallel"]
+__all__ = ["MODEL_AXIS", "build_device_mesh", "check_model_parallel", "made_layout_map"]
 
 MODEL_AXIS = "model"
 
@@ -83,6 +83,13 @@ def build_device_mesh(
     devices = list(devices)
     if isinstance(layout_map, keras.distribution.LayoutMap):
         return _mesh_of_layout_map(devices, model_parallel, layout_map)
+    if layout_map is not None and model_parallel == 1:
+        raise ValueError(
+            "A `layout_map` function needs the size of the model axis to make "
+            "the mesh it is given. Received: model_parallel=1 with "
+            f"layout_map={layout_map!r}. Pass `model_parallel=k` (the devices "
+            "per replica), or a `LayoutMap` made on your own mesh."
+        )
     count = len(devices)
     if model_parallel == 1:
         return keras.distribution.DeviceMesh(
@@ -111,6 +118,24 @@ def build_device_mesh(
     return keras.distribution.DeviceMesh(
         shape=grid.shape, axis_names=[BATCH_AXIS, MODEL_AXIS], devices=grid
     )
+
+
+def made_layout_map(
+    make: Any, device_mesh: keras.distribution.DeviceMesh
+) -> keras.distribution.LayoutMap:
+    """`make(device_mesh)`, checked to be a `LayoutMap` on that mesh.
+
+    Raises:
+        TypeError: if the function returns something else.
+    """
+    layout_map = make(device_mesh)
+    if not isinstance(layout_map, keras.distribution.LayoutMap):
+        raise TypeError(
+            "The `layout_map` function must return a `keras.distribution."
+            f"LayoutMap` for the mesh it is given. {make!r} returned "
+            f"{layout_map!r}."
+        )
+    return layout_map
 
 
 def _mesh_of_layout_map(
