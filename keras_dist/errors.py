@@ -6,6 +6,7 @@ keras_dist's own diagnoses apart.
 """
 
 __all__ = [
+    "CheckpointWriteError",
     "ClusterConfigError",
     "ClusterTimeoutError",
     "DeviceNotFoundError",
@@ -47,3 +48,8 @@ class ClusterTimeoutError(TimeoutError):
 class IncompatibleBackupError(ValueError):
     """A backup cannot be resumed: another model wrote it, or the input of the
     resumed `fit` cannot be replayed up to it."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint written in the background failed; the message names its
+    path and the cause, and the previous checkpoint is intact."""

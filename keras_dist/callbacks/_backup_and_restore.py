@@ -38,6 +38,15 @@ class BackupAndRestore(keras.callbacks.Callback):
     reported and the previous one used. Restoring onto another number of
     replicas reshards the state onto the current strategy.
 
+    Saves are asynchronous by default: training waits only while the state's
+    device -> host copies start, and Orbax writes the files on a background
+    thread. One save is in flight at a time (a newer one waits for the
+    older). A background write that fails raises
+    `kd.errors.CheckpointWriteError` (the path and the cause) on the training
+    thread at the next step, save or the end of `fit`; the previous backup
+    stays intact. A save in flight when `fit` ends, raises, or is preempted
+    (SIGTERM) is finished before `fit` returns or the process exits.
+
     Exactness needs what an uninterrupted run needs to be reproducible: the
     same seeds set before `fit` (e.g. `keras.utils.set_random_seed`), and an
     input that can be iterated again (arrays, `tf.data`, `PyDataset`, Grain;
@@ -61,6 +70,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             to `True`.
         save_before_preemption: on SIGTERM, back up at the next step boundary
             and exit. Defaults to `True`.
+        async_save: write backups on a background thread. Defaults to
+            `True`; `False` waits for each backup to be on disk.
 
     Raises:
         ValueError: for an empty `backup_dir` or a bad `save_freq`.
@@ -74,8 +85,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: "str | int" = "epoch",
         delete_checkpoint: bool = True,
         save_before_preemption: bool = True,
+        async_save: bool = True,
     ):
         super().__init__()
+        if not isinstance(async_save, bool):
+            raise TypeError(
+                "`async_save` must be True or False. Received: "
+                f"async_save={async_save!r}."
+            )
         if not backup_dir:
             raise ValueError(
                 "`backup_dir` must name a directory. Received: "
@@ -91,6 +108,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
+        self.async_save = async_save
         self._store = None
         self._preempted = threading.Event()
         self._previous_handler = None
@@ -98,7 +116,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Life cycle ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._store = BackupStore(self.backup_dir)
+        self._store = BackupStore(self.backup_dir, async_save=self.async_save)
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         call = _call.active()
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
@@ -123,8 +141,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         # `batch` is the last step of the execution (`steps_per_execution`).
         self._step_in_epoch = batch + 1
+        self._store.check()  # A background write that failed raises here.
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
+            self._store.wait()  # On disk before the process exits.
             if is_chief():
                 print(
                     f"\nBackupAndRestore: preempted (SIGTERM); saved epoch "
@@ -160,9 +180,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         """Undoes what `on_train_begin` set up (also when `fit` raises)."""
         self.model._initial_epoch = None
         self._uninstall_sigterm_handler()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()  # Finishes a save in flight; raises if it failed.
 
     # State ----------------------------------------------------------------
 

@@ -1,11 +1,12 @@
 """`BackupStore`: a model's whole training state in Orbax checkpoints."""
 
+import os
 import warnings
 
 import jax
 import numpy as np
 
-from keras_dist.errors import IncompatibleBackupError
+from keras_dist.errors import CheckpointWriteError, IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
@@ -29,18 +30,29 @@ class BackupStore:
 
     A backup holds every variable of the model, its optimizer and metrics,
     plus a JSON `meta` dict (with each variable's path and shape, to refuse a
-    backup of another model).
+    backup of another model). Each process writes the parts of split
+    variables it holds (Orbax); nothing is gathered whole.
+
+    With `async_save`, `save` returns once the state's device -> host copies
+    have started (JAX keeps the buffers until they finish, donated or not)
+    and Orbax writes and commits the files on a background thread. One save
+    is in flight at a time: a newer `save` first waits for the older. A
+    write that failed in the background raises `CheckpointWriteError` (its
+    path and cause) at the next `check`, `save`, `wait` or `close`; the
+    backup it was writing is never committed, so the previous one is intact.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, *, async_save: bool = True):
         import orbax.checkpoint as ocp
 
         self.directory = directory
+        self.async_save = async_save
+        self.pending: int | None = None  # The number of a save in flight.
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=2,
-                enable_async_checkpointing=False,
+                enable_async_checkpointing=async_save,
                 create=True,
                 # A backup an interrupted run left half-written (Orbax writes
                 # `<step>.orbax-checkpoint-tmp-*` then renames) is deleted.
@@ -60,15 +72,54 @@ class BackupStore:
                 for name, vs in groups.items()
             },
         }
+        self.wait()  # One save in flight: the older one first (and its error).
         if number in self._manager.all_steps():
             self._manager.delete(number)
+        self.pending = number
         self._manager.save(
             number,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
-        self._manager.wait_until_finished()
+        if not self.async_save:
+            self.wait()
+
+    def check(self) -> None:
+        """Raises the error of a background write that failed, if one did.
+
+        Raises:
+            CheckpointWriteError: naming the backup's path and the cause.
+        """
+        if self.pending is None:
+            return
+        try:
+            self._manager.check_for_errors()
+        except Exception as error:
+            self._failed(error)
+
+    def wait(self) -> None:
+        """Waits until the save in flight is on disk (committed).
+
+        Raises:
+            CheckpointWriteError: if it failed.
+        """
+        if self.pending is None:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            self._failed(error)
+        self.pending = None
+
+    def _failed(self, error: Exception) -> None:
+        number, self.pending = self.pending, None
+        raise CheckpointWriteError(
+            f"BackupAndRestore: writing the backup of step {number} to "
+            f"{os.path.join(self.directory, str(number))} failed in the background "
+            f"({type(error).__name__}: {str(error)[:1000]}). The previous backup in "
+            f"{self.directory} is intact."
+        ) from error
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model`; returns its meta.
@@ -147,4 +198,8 @@ class BackupStore:
                 )
 
     def close(self) -> None:
-        self._manager.close()
+        """Finishes the save in flight, then closes (raises its error, if any)."""
+        try:
+            self.wait()
+        finally:
+            self._manager.close()

@@ -69,6 +69,9 @@ if os.environ.get("KD_BACKUP"):
         kd.callbacks.BackupAndRestore(
             os.environ["KD_BACKUP"],
             save_freq="epoch" if save_freq == "epoch" else int(save_freq),
+            # Killed right after a save, the tests expect that save on disk:
+            # synchronous unless KD_ASYNC=1 (the async kill tests).
+            async_save=os.environ.get("KD_ASYNC") == "1",
         ),
     )
 kind = os.environ.get("KD_INPUT", "numpy")

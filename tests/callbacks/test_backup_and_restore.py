@@ -233,3 +233,54 @@ def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
     assert "FIT RAISED" in result.stdout, result.stderr[-3000:]
     assert "STILL ALIVE" not in result.stdout
     assert result.returncode == -15
+
+
+@pytest.mark.parametrize("kill_at", [5, 10, 13])
+def test_sigkill_during_async_saves_resumes_from_the_newest_complete_backup(
+    reference, tmp_path, kill_at
+):
+    # Asynchronous saves every step: killed right after step `kill_at`, its
+    # own backup may still be in flight. The restart takes the newest backup
+    # that was committed (never a half-written one) and ends where an
+    # uninterrupted run does.
+    backup = tmp_path / "backup"
+    killed = _run(
+        tmp_path / "out",
+        KD_BACKUP=backup,
+        KD_KILL_AT=kill_at,
+        KD_SIGNAL="KILL",
+        KD_ASYNC=1,
+    )
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    committed = sorted(int(n) for n in os.listdir(backup) if n.isdigit())
+    assert committed and committed[-1] <= kill_at
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup, KD_ASYNC=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    epoch, step = divmod(committed[-1], 7)
+    assert f"resuming at epoch {epoch + 1}, step {step}" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 4 - epoch)  # 4 epochs in all.
+    assert not backup.exists()
+
+
+def test_a_background_write_failure_raises_on_the_training_thread(tmp_path):
+    script = SCRIPT.with_name("async_failure_script.py")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
+    environ.pop("XLA_FLAGS", None)
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "backup")],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    raised = next(x for x in lines if x.startswith("raised "))
+    assert raised.startswith("raised CheckpointWriteError: BackupAndRestore:")
+    assert (
+        f"writing the backup of step 6 to {tmp_path / 'backup' / '6'} failed" in raised
+    )
+    assert "File too large" in raised or "EFBIG" in raised or "too large" in raised
+    assert f"The previous backup in {tmp_path / 'backup'} is intact." in raised
+    assert lines[-1] == "restored step 4: weights equal the model's at step 4: True"

@@ -262,7 +262,9 @@ def backup_run(
     """
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
-    callbacks = [kd.callbacks.BackupAndRestore(backup_dir, save_freq=3), _PrintSteps()]
+    # Synchronous: a process killed right after a save expects it on disk.
+    backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=3, async_save=False)
+    callbacks = [backup, _PrintSteps()]
     if kill_at is not None:
         callbacks.append(_KillAt(kill_at, os.path.join(backup_dir, "..", "killed")))
     if kind == "numpy":
