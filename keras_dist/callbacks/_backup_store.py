@@ -42,7 +42,7 @@ class BackupStore:
     backup it was writing is never committed, so the previous one is intact.
     """
 
-    def __init__(self, directory: str, *, async_save: bool = True):
+    def __init__(self, directory: str, *, async_save: bool):
         import orbax.checkpoint as ocp
 
         self.directory = directory

@@ -36,7 +36,9 @@ class _ModelState:
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        self._store = BackupStore(directory)
+        # Synchronous: it saves right before the process exits (an
+        # asynchronous handler is issue 29's next step).
+        self._store = BackupStore(directory, async_save=False)
 
     # What `BackupStore` reads of a model.
     @property
