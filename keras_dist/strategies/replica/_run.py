@@ -223,12 +223,13 @@ def _compile(strategy: StrategyParts, fn, treedef, kinds, statics, batch, values
         )
         # Manual over the replicas only: on a 2-D mesh the model axis is
         # left to XLA, which splits each replica's work as its layouts say.
+        manual = {} if strategy.model_parallel == 1 else {"axis_names": {AXIS}}
         return jax.shard_map(
             lambda *vals: body(varying, *vals),
             mesh=strategy.mesh,
             in_specs=tuple(specs),
             out_specs=out_specs,
-            axis_names=frozenset({AXIS}),
+            **manual,
         )
 
     jax.eval_shape(shard_mapped(None), *values)
