@@ -162,3 +162,23 @@ def write_results(out: str, stem: str, payload: dict, markdown, plot) -> None:
     if plot(payload, folder / f"{stem}.png"):
         print(f"wrote {folder / stem}.png")
     print(f"wrote {folder / stem}.json and .md")
+
+
+def loss_target(rows: dict, ref: dict | None):
+    """The largest relative distance of a final loss from `ref`'s, and its target.
+
+    None (and MISS) unless `ref` and every row completed.
+    """
+    ok = [r for r in rows.values() if "error" not in r]
+    worst = None
+    if ref and len(ok) == len(rows):
+        worst = max(
+            abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
+            for r in ok
+        )
+    return worst, {
+        "target": "every final loss = one device's (relative 1e-4)",
+        "value": worst,
+        "limit": 1e-4,
+        "pass": worst is not None and worst <= 1e-4,
+    }

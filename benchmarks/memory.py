@@ -28,7 +28,15 @@ import datetime
 import pathlib
 import platform
 
-from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
+from _runs import (
+    fmt,
+    loss_target,
+    machine,
+    pyplot,
+    run_worker,
+    targets_table,
+    write_results,
+)
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
@@ -71,20 +79,8 @@ def analyse(rows: dict) -> dict:
             state_bytes(row) / state_bytes(base) if base else None
         )
     ref = ok.get("one_device")
-    worst = None
-    if ref and len(ok) == len(rows):
-        worst = max(
-            abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
-            for r in ok.values()
-        )
-    targets = [
-        {
-            "target": "every final loss = one device's (relative 1e-4)",
-            "value": worst,
-            "limit": 1e-4,
-            "pass": worst is not None and worst <= 1e-4,
-        }
-    ]
+    worst, target = loss_target(rows, ref)
+    targets = [target]
     for config in ("fsdp", "ps"):
         ratio = ok[config]["ratio_to_mirrored"] if config in ok else None
         targets.append(

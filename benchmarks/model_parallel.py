@@ -32,7 +32,15 @@ import datetime
 import pathlib
 import platform
 
-from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
+from _runs import (
+    fmt,
+    loss_target,
+    machine,
+    pyplot,
+    run_worker,
+    targets_table,
+    write_results,
+)
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = [
@@ -69,20 +77,8 @@ def analyse(rows: dict) -> dict:
         )
         row["communicated_bytes"] = sum((row["collective_bytes"] or {}).values())
     ref, base = ok.get("one_device"), ok.get("mirrored_8x1")
-    worst = None
-    if ref and len(ok) == len(rows):
-        worst = max(
-            abs(r["final_loss"] - ref["final_loss"]) / abs(ref["final_loss"])
-            for r in ok.values()
-        )
-    targets = [
-        {
-            "target": "every final loss = one device's (relative 1e-4)",
-            "value": worst,
-            "limit": 1e-4,
-            "pass": worst is not None and worst <= 1e-4,
-        }
-    ]
+    worst, target = loss_target(rows, ref)
+    targets = [target]
     for config, k in MODEL_AXIS.items():
         if config not in ok or base is None:
             continue
