@@ -53,6 +53,22 @@ PRIVATE_IMPORTS: tuple = (
     ("jax._src", "xla_bridge"),  # cluster/_initialize
     ("tensorflow.python.data.experimental.ops", "distribute"),  # data/_auto_shard
     ("tensorflow.python.data.ops", "dataset_ops"),  # data/_tf_data
+    # _saving: Keras's own file writers, fed from a host snapshot.
+    *(
+        ("keras.src.saving.saving_lib", name)
+        for name in (
+            "_save_state",
+            "_serialize_model_as_json",
+            "_save_assets_to_dict",
+            "_write_to_zip_recursively",
+            "_ASSETS_DIRNAME",
+            "_CONFIG_FILENAME",
+            "_METADATA_FILENAME",
+            "_VARS_FNAME_H5",
+            "H5IOStore",
+            "DiskIOStore",
+        )
+    ),
 )
 
 PRIVATE_ATTRIBUTES: tuple = (
@@ -101,7 +117,7 @@ PRIVATE_ATTRIBUTES: tuple = (
     (
         "keras.src.callbacks.model_checkpoint",
         "ModelCheckpoint",
-        ("_save_model", "_get_file_path", "_should_save_model"),
+        ("_save_model", "_get_file_path", "_should_save_model", "_current_epoch"),
     ),
 )
 

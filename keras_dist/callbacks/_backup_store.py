@@ -6,7 +6,8 @@ import warnings
 import jax
 import numpy as np
 
-from keras_dist.errors import CheckpointWriteError, IncompatibleBackupError
+from keras_dist.callbacks._background import write_failed
+from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
@@ -114,11 +115,12 @@ class BackupStore:
 
     def _failed(self, error: Exception) -> None:
         number, self.pending = self.pending, None
-        raise CheckpointWriteError(
-            f"BackupAndRestore: writing the backup of step {number} to "
-            f"{os.path.join(self.directory, str(number))} failed in the background "
-            f"({type(error).__name__}: {str(error)[:1000]}). The previous backup in "
-            f"{self.directory} is intact."
+        raise write_failed(
+            "BackupAndRestore",
+            f"the backup of step {number} to "
+            f"{os.path.join(self.directory, str(number))}",
+            error,
+            f"The previous backup in {self.directory} is intact.",
         ) from error
 
     def restore(self, model) -> dict | None:

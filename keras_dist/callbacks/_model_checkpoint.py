@@ -3,12 +3,17 @@
 import json
 import os
 import tempfile
+import time
 import warnings
 
 import jax
 import keras
+from jax.experimental import multihost_utils
 
 from keras_dist._checks import check_int
+from keras_dist._keras_compat import step_counter, sync_state
+from keras_dist._keras_compat._saving import snapshot, write_snapshot
+from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import (
@@ -17,6 +22,8 @@ from keras_dist.callbacks._files import (
     remove_stale_temps,
 )
 from keras_dist.callbacks._lr_control import plain_learning_rate
+from keras_dist.callbacks._sharded_checkpoints import ShardedCheckpoints
+from keras_dist.data import _call
 
 __all__ = ["ModelCheckpoint", "latest_checkpoint"]
 
@@ -39,7 +46,25 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - `max_to_keep` deletes the oldest checkpoints beyond that number;
     - a `checkpoint` file in the directory lists them, newest last, for
       `kd.callbacks.latest_checkpoint(directory)`;
-    - the directory is checked for writing when the callback is created.
+    - the directory is checked for writing when the callback is created;
+    - saves are asynchronous (`async_save=True`, the default): the training
+      thread waits only for the state's device -> host copy, a background
+      thread writes the file (the one `save_weights`/`save` writes). One
+      save is in flight at a time (a newer one waits for the older). A
+      background write that fails raises `kd.errors.CheckpointWriteError`
+      (its path and cause) on the training thread at the next step, save or
+      the end of `fit`; the previous checkpoint is intact. A save in flight
+      when `fit` ends, raises or is preempted finishes first;
+    - `sharded=True` writes Orbax checkpoints instead (`filepath` is their
+      directory, one subdirectory per training step): each process writes
+      the parts of the state it holds, nothing is gathered on one host. The
+      layout is `keras.callbacks.OrbaxCheckpoint`'s: `keras.models.load_model`
+      and `model.load_weights` read it (and this callback's
+      `latest_checkpoint` reads Keras's);
+    - keep policies: `max_to_keep`, `keep_period` (a checkpoint of a step
+      that is a multiple of it is never deleted), and
+      `save_interval_seconds` (also save at the first step end after that
+      many seconds: for preemptible machines).
 
     A tf.distribute-style prefix without a suffix (`"ckpt_{epoch}"`) gets
     `.weights.h5` with `save_weights_only=True` and `.keras` otherwise.
@@ -53,25 +78,58 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     ```
 
     Args:
-        filepath: where to save; may contain `{epoch}`, `{batch}` and log keys.
+        filepath: where to save; may contain `{epoch}`, `{batch}` and log
+            keys. With `sharded=True`, the directory of the checkpoints.
         max_to_keep: keep at most this many checkpoints (oldest deleted).
             Defaults to `None`: keep all.
+        keep_period: also keep every checkpoint of a training step (the
+            optimizer's iterations) that is a multiple of this.
+        save_interval_seconds: also save at the first step end this many
+            seconds after the previous save (or the start of training).
+        async_save: write in the background. Defaults to `True`; `False`
+            waits for each file to be on disk (a legacy `.h5` model file is
+            always written synchronously).
+        sharded: write Orbax checkpoints, each process its own parts.
         **kwargs: the arguments of `keras.callbacks.ModelCheckpoint`.
 
     Raises:
         ValueError: if `filepath` has a suffix that does not match
-            `save_weights_only`, or `max_to_keep` is not a positive int.
+            `save_weights_only` (or has `{}` keys with `sharded=True`), or a
+            count or interval is not positive.
         PermissionError: if the directory of `filepath` is not writable.
     """
 
-    def __init__(self, filepath, *, max_to_keep: int | None = None, **kwargs):
+    def __init__(
+        self,
+        filepath,
+        *,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        save_interval_seconds: float | None = None,
+        async_save: bool = True,
+        sharded: bool = False,
+        **kwargs,
+    ):
         filepath = os.fspath(filepath)
         weights_only = kwargs.get("save_weights_only", False)
-        if not filepath.endswith(_SUFFIXES) and "." not in os.path.basename(filepath):
+        for name, flag in (("async_save", async_save), ("sharded", sharded)):
+            if not isinstance(flag, bool):
+                raise TypeError(
+                    f"`{name}` must be True or False. Received: {name}={flag!r}."
+                )
+        if sharded:
+            if "{" in filepath or filepath.endswith(_SUFFIXES):
+                raise ValueError(
+                    "With sharded=True, `filepath` is the directory of the "
+                    "checkpoints (one subdirectory per step): no `{}` keys and "
+                    f"no file suffix. Received: filepath={filepath!r}."
+                )
+        elif not filepath.endswith(_SUFFIXES) and "." not in os.path.basename(filepath):
             filepath += ".weights.h5" if weights_only else ".keras"
         expected = (".weights.h5",) if weights_only else (".keras", ".h5")
-        if not filepath.endswith(expected) or (
-            not weights_only and filepath.endswith(".weights.h5")
+        if not sharded and (
+            not filepath.endswith(expected)
+            or (not weights_only and filepath.endswith(".weights.h5"))
         ):
             raise ValueError(
                 f"`filepath` must end in {' or '.join(expected)} with "
@@ -79,31 +137,125 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             )
         if max_to_keep is not None:
             max_to_keep = check_int(max_to_keep, name="max_to_keep", meaning=" or None")
-        super().__init__(filepath, **kwargs)
+        if keep_period is not None:
+            keep_period = check_int(keep_period, name="keep_period", meaning=" or None")
+        if save_interval_seconds is not None and not (
+            isinstance(save_interval_seconds, (int, float))
+            and not isinstance(save_interval_seconds, bool)
+            and save_interval_seconds > 0
+        ):
+            raise ValueError(
+                "`save_interval_seconds` must be a positive number of seconds or "
+                f"None. Received: save_interval_seconds={save_interval_seconds!r}."
+            )
+        placeholder = filepath
+        if sharded:  # Keras's checks want a file name.
+            placeholder = "checkpoint" + (".weights.h5" if weights_only else ".keras")
+        super().__init__(placeholder, **kwargs)
+        self.filepath = filepath
         self.max_to_keep = max_to_keep
+        self.keep_period = keep_period
+        self.save_interval_seconds = save_interval_seconds
+        self.async_save = async_save
+        self.sharded = sharded
         self.directory = check_writable_dir(
-            os.path.dirname(filepath) or ".", argument="filepath"
+            filepath if sharded else (os.path.dirname(filepath) or "."),
+            argument="filepath",
         )
         self._kept: list[str] = []
         self._epochs: dict[str, int] = {}
+        self._steps: dict[str, int] = {}
+        self._writer = BackgroundWriter(
+            "ModelCheckpoint", "The previous checkpoint is intact."
+        )
+        self._sharded: ShardedCheckpoints | None = None
+        self._last_save = time.monotonic()
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
-        check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
+        if not self.sharded:
+            check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
         if is_chief():  # Temporary files of writes an earlier run interrupted.
             remove_stale_temps(self.directory)
+        if self.sharded:
+            self._sharded = ShardedCheckpoints(
+                self.directory,
+                async_save=self.async_save,
+                max_to_keep=self.max_to_keep,
+                keep_period=self.keep_period,
+            )
+        self._last_save = time.monotonic()
+        call = _call.active()
+        if call is not None:  # Keras skips on_train_end when fit raises.
+            call.on_close(self._finish)
         self._write_index(done=False)
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        self._check()  # A background write that failed raises here.
+        if self.save_interval_seconds is not None and self._interval_passed():
+            self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self._check()
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
+        self._finish()
         # The marker `kd.callbacks.SidecarEvaluator` stops on.
         self._write_index(done=True)
+
+    def wait(self) -> None:
+        """Waits until the save in flight is on disk.
+
+        Raises:
+            kd.errors.CheckpointWriteError: if it failed.
+        """
+        self._writer.wait()
+        if self._sharded is not None:
+            self._sharded.wait()
+
+    def _check(self) -> None:
+        self._writer.check()
+        if self._sharded is not None:
+            self._sharded.check()
+
+    def _finish(self) -> None:
+        """Finishes the save in flight (raises its error); idempotent."""
+        sharded, self._sharded = self._sharded, None
+        try:
+            self._writer.close()
+        finally:
+            if sharded is not None:
+                sharded.close()
+
+    def _interval_passed(self) -> bool:
+        due = time.monotonic() - self._last_save >= self.save_interval_seconds
+        if jax.process_count() > 1:  # The chief's clock decides for all.
+            due = bool(multihost_utils.broadcast_one_to_all(int(due)))
+        return due
 
     def _save_model(self, epoch, batch, logs):
         if self.save_best_only and batch is None:
             check_monitor(self.monitor, logs)
         filepath = self._get_file_path(epoch, batch, logs)
         if not self._should_save_model(epoch, batch, logs, filepath):
+            return
+        self._last_save = time.monotonic()
+        sync_state(self.model)
+        step = step_counter(self.model.optimizer)
+        if self.sharded:
+            with plain_learning_rate(self.model):  # Loadable without keras_dist.
+                path = self._sharded.save(
+                    self.model, step, weights_only=self.save_weights_only
+                )
+            if path is not None and self.verbose > 0:
+                print(f"\nEpoch {epoch + 1}: saving model to {path}")
+            return
+        legacy = filepath.endswith(".h5") and not filepath.endswith(".weights.h5")
+        if self.async_save and not legacy:
+            self._save_in_background(filepath, epoch, step)
             return
         if not is_chief():
             if jax.process_count() > 1:
@@ -112,15 +264,32 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 with tempfile.TemporaryDirectory() as scratch:
                     self._write(os.path.join(scratch, os.path.basename(filepath)))
             return
-        if os.path.isdir(filepath):
-            raise IsADirectoryError(
-                f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
-                "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
-            )
+        _check_not_dir(filepath)
+        self._writer.wait()  # An earlier background write first (legacy .h5).
         self._write(filepath)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
-        self._record(filepath, epoch)
+        self._record(filepath, epoch, step)
+
+    def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
+        """The state to host memory here; the file written on the writer thread."""
+        if is_chief():
+            _check_not_dir(filepath)
+        with plain_learning_rate(self.model):  # Loadable without keras_dist.
+            # Every process: values split over processes are gathered.
+            snap = snapshot(self.model, with_config=not self.save_weights_only)
+        if not is_chief():
+            snap.release()
+            return
+
+        def write() -> None:
+            try:
+                atomic_write(filepath, lambda p: write_snapshot(snap, p))
+            finally:
+                snap.release()
+            self._record(filepath, epoch, step)
+
+        self._writer.submit(filepath, write)
 
     def _write(self, filepath: str) -> None:
         if self.save_weights_only:
@@ -129,18 +298,28 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
 
-    def _record(self, filepath: str, epoch: int) -> None:
+    def _record(self, filepath: str, epoch: int, step: int) -> None:
+        """Adds a written file to the index; deletes what the policies drop."""
         filepath = os.path.abspath(filepath)
         if filepath in self._kept:
             self._kept.remove(filepath)
         self._kept.append(filepath)
         self._epochs[os.path.basename(filepath)] = int(epoch)
+        self._steps[filepath] = int(step)
         if self.max_to_keep is not None:
-            while len(self._kept) > self.max_to_keep:
-                old = self._kept.pop(0)
+            kept_forever = [p for p in self._kept if self._kept_forever(p)]
+            rolling = [p for p in self._kept if p not in kept_forever]
+            while len(rolling) > self.max_to_keep:
+                old = rolling.pop(0)
+                self._kept.remove(old)
                 if os.path.exists(old):
                     os.remove(old)
         self._write_index(done=False)
+
+    def _kept_forever(self, filepath: str) -> bool:
+        step = self._steps.get(filepath)
+        period = self.keep_period
+        return bool(period) and step is not None and step % period == 0
 
     def _write_index(self, *, done: bool) -> None:
         """The `checkpoint` index: newest last, each file's epoch, `done`.
@@ -163,6 +342,14 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         atomic_write(
             os.path.join(self.directory, STATE_FILE),
             lambda p: _write_json(p, state),
+        )
+
+
+def _check_not_dir(filepath: str) -> None:
+    if os.path.isdir(filepath):
+        raise IsADirectoryError(
+            f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
+            "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
         )
 
 
@@ -192,8 +379,27 @@ def _indexed_latest(state_path: str) -> str | None:
     return latest
 
 
+def _orbax_steps(directory: str) -> list[int]:
+    """The committed Orbax checkpoints of `directory` (a step's directory is
+    renamed to its number once complete)."""
+    if not os.path.isdir(directory):
+        return []
+    return [
+        int(entry.name)
+        for entry in os.scandir(directory)
+        if entry.name.isdigit() and entry.is_dir()
+    ]
+
+
 def latest_checkpoint(directory) -> str | None:
     """The newest checkpoint in `directory`, or None if there is none.
+
+    For a directory of Orbax checkpoints (`ModelCheckpoint(sharded=True)`,
+    `keras.callbacks.OrbaxCheckpoint`), the directory itself:
+    `model.load_weights` and `keras.models.load_model` read its newest
+    committed step. (Keras matches the saved state by the model's and
+    layers' names: load into a model built as the one that saved, e.g. the
+    same script in a new process.)
 
     Reads the `checkpoint` file `ModelCheckpoint` keeps; without one (or
     with one that cannot be read: a warning), picks the most recently
@@ -201,6 +407,11 @@ def latest_checkpoint(directory) -> str | None:
     interrupted writes).
     """
     directory = os.fspath(directory)
+    if _orbax_steps(directory):
+        # `ModelCheckpoint(sharded=True)` or keras.callbacks.OrbaxCheckpoint:
+        # Keras's loaders take the directory and read its newest step (they
+        # do not recognise a step's own directory).
+        return directory
     state_path = os.path.join(directory, STATE_FILE)
     latest = _indexed_latest(state_path)
     if latest and os.path.exists(os.path.join(directory, latest)):

@@ -1,0 +1,215 @@
+"""Seam 12: Keras's own `.weights.h5` / `.keras` files, written from a snapshot.
+
+`model.save_weights` and `model.save` walk the model (`_save_state`)
+and read every variable while they write the file. An asynchronous save
+splits that walk from the writing:
+
+- `snapshot(model, with_config)`, on the training thread: the same walk
+  into a store that records what each saveable gives it (its variables, or
+  values a layer computes from them, e.g. a LoRA-merged kernel), then every
+  value to host memory (the device -> host copies of all values start
+  together, then each is awaited; a value with parts on other processes is
+  gathered, a collective every process runs in the same order). With
+  `with_config`, the model's config and metadata JSON and its assets too.
+- `write_snapshot(snapshot, path)`, on any thread: replays the records into
+  Keras's `H5IOStore` (inside Keras's zip layout for `.keras`), so the file
+  is the one `save_weights` / `save` writes, and loads with Keras alone.
+"""
+
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+
+import jax
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+from keras.src.saving.saving_lib import (
+    _ASSETS_DIRNAME,
+    _CONFIG_FILENAME,
+    _METADATA_FILENAME,
+    _VARS_FNAME_H5,
+    DiskIOStore,
+    H5IOStore,
+    _save_assets_to_dict,
+    _save_state,
+    _serialize_model_as_json,
+    _write_to_zip_recursively,
+)
+
+__all__ = ["Snapshot", "orbax_payload", "snapshot", "write_snapshot"]
+
+
+class _RecordingStore(H5IOStore):
+    """`H5IOStore`'s write interface, keeping entries instead of writing them.
+
+    (A subclass: `_save_state` accepts only Keras's store types.)
+    """
+
+    def __init__(self):  # No file: nothing of H5IOStore's own state.
+        self.mode = "w"
+        self.entries: list[tuple[str, dict | None, dict]] = []
+        self._current: dict = {}
+
+    def __bool__(self):
+        return True
+
+    def make(self, path, metadata=None):
+        self._current = {}
+        self.entries.append((path, metadata, self._current))
+        return self
+
+    def __setitem__(self, key, value):
+        self._current[key] = value
+
+    def __getitem__(self, key):
+        return self._current[key]
+
+    def __contains__(self, key):
+        return key in self._current
+
+    def __len__(self):
+        return len(self._current)
+
+    def keys(self):
+        return self._current.keys()
+
+    def close(self):
+        pass
+
+
+@dataclass
+class Snapshot:
+    """A model's saved state in host memory, ready to be written anywhere."""
+
+    entries: list  # [(path, metadata, {key: np.ndarray})], in Keras's order.
+    config_json: str | None = None
+    metadata_json: str | None = None
+    assets_dir: str | None = None  # A temporary directory (removed by `release`).
+    nbytes: int = field(default=0)
+
+    def release(self) -> None:
+        if self.assets_dir is not None:
+            shutil.rmtree(self.assets_dir, ignore_errors=True)
+            self.assets_dir = None
+
+
+def _device_value(value):
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and value.is_fully_replicated
+    ):  # Whole on this process's devices too: no collective needed.
+        value = value.addressable_shards[0].data
+    return value
+
+
+def _to_host(values: list) -> list:
+    """Every value as a NumPy array: all device -> host copies start first."""
+    values = [_device_value(v) for v in values]
+    for v in values:
+        if isinstance(v, jax.Array) and v.is_fully_addressable:
+            v.copy_to_host_async()
+    out = []
+    for v in values:
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            v = multihost_utils.process_allgather(v, tiled=True)
+        out.append(np.asarray(keras.ops.convert_to_numpy(v)))
+    return out
+
+
+def snapshot(model, *, with_config: bool) -> Snapshot:
+    """The state `model.save_weights` (or `model.save`) would write, on host."""
+    store = _RecordingStore()
+    assets = None
+    config_json = metadata_json = None
+    if with_config:
+        config_json, metadata_json = _serialize_model_as_json(model)
+        assets = DiskIOStore(_ASSETS_DIRNAME, mode="w")
+    try:
+        _save_state(
+            model,
+            weights_store=store,
+            assets_store=assets,
+            inner_path="",
+            visited_saveables=set(),
+        )
+    except BaseException:
+        if assets is not None:
+            assets.close()
+        raise
+    keys = [(i, k) for i, (_, _, values) in enumerate(store.entries) for k in values]
+    host = _to_host([store.entries[i][2][k] for i, k in keys])
+    for (i, k), value in zip(keys, host, strict=True):
+        store.entries[i][2][k] = value
+    assets_dir = None
+    if assets is not None:  # Keep the files the walk wrote (Keras's temp dir).
+        assets_dir = tempfile.mkdtemp(prefix="keras_dist-assets-")
+        if any(os.scandir(assets.working_dir)):
+            shutil.copytree(assets.working_dir, assets_dir, dirs_exist_ok=True)
+        assets.close()
+    return Snapshot(
+        entries=store.entries,
+        config_json=config_json,
+        metadata_json=metadata_json,
+        assets_dir=assets_dir,
+        nbytes=sum(int(v.nbytes) for v in host),
+    )
+
+
+def _replay(snap: Snapshot, store) -> None:
+    for path, metadata, values in snap.entries:
+        entry = store.make(path, metadata=metadata)
+        for key, value in values.items():
+            entry[key] = value
+
+
+def write_snapshot(snap: Snapshot, path: str) -> None:
+    """Writes `snap` to `path`: a `.weights.h5` file, or a `.keras` zip."""
+    if snap.config_json is None:
+        store = H5IOStore(path, mode="w")
+        try:
+            _replay(snap, store)
+        finally:
+            store.close()
+        return
+    with open(path, "wb") as f, zipfile.ZipFile(f, "w") as zf:
+        with zf.open(_METADATA_FILENAME, "w") as meta:
+            meta.write(snap.metadata_json.encode())
+        with zf.open(_CONFIG_FILENAME, "w") as config:
+            config.write(snap.config_json.encode())
+        store = H5IOStore(_VARS_FNAME_H5, archive=zf, mode="w")
+        try:
+            _replay(snap, store)
+        finally:
+            store.close()
+        if snap.assets_dir is not None and any(os.scandir(snap.assets_dir)):
+            _write_to_zip_recursively(zf, snap.assets_dir, _ASSETS_DIRNAME)
+
+
+def orbax_payload(model, *, weights_only: bool) -> dict:
+    """What `keras.callbacks.OrbaxCheckpoint` saves, in its layout.
+
+    `pytree`: `model.get_state_tree()` (device arrays: Orbax copies them to
+    host and each process writes its own parts), only the weights with
+    `weights_only`; otherwise also `model_config` (Keras's JSON) and
+    `assets`. Keras's `load_model` / `load_weights` read it.
+    """
+    state = model.get_state_tree()
+    if weights_only:
+        return {
+            "pytree": {
+                "trainable_variables": state["trainable_variables"],
+                "non_trainable_variables": state["non_trainable_variables"],
+            }
+        }
+    config_json, _ = _serialize_model_as_json(model)
+    payload = {"pytree": state, "model_config": {"config": config_json}}
+    assets = _save_assets_to_dict(model)
+    if assets is not None:
+        payload["assets"] = assets
+    return payload

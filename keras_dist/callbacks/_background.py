@@ -1,0 +1,67 @@
+"""One checkpoint write in flight; its failure raised on the training thread."""
+
+import concurrent.futures
+from collections.abc import Callable
+
+from keras_dist.errors import CheckpointWriteError
+
+__all__ = ["BackgroundWriter", "write_failed"]
+
+
+def write_failed(owner: str, path: str, error: BaseException, kept: str):
+    """The `CheckpointWriteError` of a write that failed in the background."""
+    return CheckpointWriteError(
+        f"{owner}: writing {path} failed in the background "
+        f"({type(error).__name__}: {str(error)[:1000]}). {kept}"
+    )
+
+
+class BackgroundWriter:
+    """Runs one write at a time on a background thread.
+
+    `submit` first waits for the write in flight (so writes finish in the
+    order they were submitted: a newer never supersedes an older); an error
+    of a write is raised as `CheckpointWriteError` (naming its path and
+    cause) by the next `check`, `submit`, `wait` or `close`.
+    """
+
+    def __init__(self, owner: str, kept: str):
+        self.owner, self.kept = owner, kept
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._future: concurrent.futures.Future | None = None
+        self._path = ""
+
+    @property
+    def pending(self) -> bool:
+        return self._future is not None
+
+    def submit(self, path: str, write: Callable[[], None]) -> None:
+        self.wait()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="keras_dist-checkpoint"
+            )
+        self._path = path
+        self._future = self._executor.submit(write)
+
+    def check(self) -> None:
+        """Raises the error of a finished write that failed; never waits."""
+        if self._future is not None and self._future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Waits for the write in flight; raises `CheckpointWriteError` if it failed."""
+        future, self._future = self._future, None
+        if future is None:
+            return
+        error = future.exception()
+        if error is not None:
+            raise write_failed(self.owner, self._path, error, self.kept) from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
