@@ -7,11 +7,15 @@ splits that walk from the writing:
 - `snapshot(model, with_config)`, on the training thread: the same walk
   into a store that records what each saveable gives it (its variables, or
   values a layer computes from them, e.g. a LoRA-merged kernel), then every
-  value to host memory (the device -> host copies of all values start
-  together, then each is awaited; a value with parts on other processes is
-  gathered, a collective every process runs in the same order). With
-  `with_config`, the model's config and metadata JSON and its assets too.
-- `write_snapshot(snapshot, path)`, on any thread: replays the records into
+  value frozen: copied on its devices in one asynchronous dispatch (the
+  training thread does not wait for the step computing it; the next step
+  may donate the original), or, when the devices lack room, copied to host
+  now; a value with parts on other processes is gathered (a collective
+  every process runs in the same order). With `with_config`, the model's
+  config and metadata JSON and its assets too. A walk that found only
+  variables is `reusable` at later steps (Keras's walk takes ~0.1 s).
+- `write_snapshot(snapshot, path)`, on any thread: brings the copies to
+  host memory, then replays the records into
   Keras's `H5IOStore` (inside Keras's zip layout for `.keras`), so the file
   is the one `save_weights` / `save` writes, and loads with Keras alone.
 """
@@ -23,6 +27,7 @@ import zipfile
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import keras
 import numpy as np
 from jax.experimental import multihost_utils
@@ -39,7 +44,14 @@ from keras.src.saving.saving_lib import (
     _write_to_zip_recursively,
 )
 
-__all__ = ["Snapshot", "orbax_payload", "snapshot", "write_snapshot"]
+__all__ = [
+    "Snapshot",
+    "orbax_payload",
+    "record",
+    "reusable",
+    "snapshot",
+    "write_snapshot",
+]
 
 
 class _RecordingStore(H5IOStore):
@@ -82,15 +94,29 @@ class _RecordingStore(H5IOStore):
 
 @dataclass
 class Snapshot:
-    """A model's saved state in host memory, ready to be written anywhere."""
+    """A model's saved state, frozen: device copies or host arrays.
 
-    entries: list  # [(path, metadata, {key: np.ndarray})], in Keras's order.
+    `to_host()` (on any thread) waits for the device copies and brings them
+    to host memory; `write_snapshot` calls it.
+    """
+
+    entries: list  # [(path, metadata, {key: array})], in Keras's order.
     config_json: str | None = None
     metadata_json: str | None = None
     assets_dir: str | None = None  # A temporary directory (removed by `release`).
     nbytes: int = field(default=0)
 
+    def to_host(self) -> None:
+        values = [v for _, _, group in self.entries for v in group.values()]
+        for v in values:
+            if isinstance(v, jax.Array):
+                v.copy_to_host_async()
+        for _, _, group in self.entries:
+            for key, value in group.items():
+                group[key] = np.asarray(value)
+
     def release(self) -> None:
+        self.entries = []  # Frees the device copies.
         if self.assets_dir is not None:
             shutil.rmtree(self.assets_dir, ignore_errors=True)
             self.assets_dir = None
@@ -108,22 +134,71 @@ def _device_value(value):
     return value
 
 
-def _to_host(values: list) -> list:
-    """Every value as a NumPy array: all device -> host copies start first."""
+def _room_on_devices(values: list) -> bool:
+    """Whether every device has room for a copy of its parts of `values`.
+
+    Devices that report no memory statistics (CPU) are taken to have room.
+    """
+    need: dict = {}
+    for v in values:
+        for shard in v.addressable_shards:
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            if nbytes > 0.9 * free:
+                return False
+    return True
+
+
+@jax.jit
+def _copy(arrays: list) -> list:
+    """New buffers with the values of `arrays`, laid out alike (a compiled
+    program: dispatched without waiting for `arrays` to be computed)."""
+    return [a + jnp.zeros((), a.dtype) for a in arrays]
+
+
+def _freeze(values: list) -> list:
+    """`values` frozen without waiting for them to be computed.
+
+    A value with parts on other processes is gathered to host now (a
+    collective). The others are copied on their devices (one asynchronous
+    dispatch: the training thread does not wait for the step that computes
+    them, and the next step may donate the originals) when the devices have
+    room, else brought to host now.
+    """
     values = [_device_value(v) for v in values]
-    for v in values:
-        if isinstance(v, jax.Array) and v.is_fully_addressable:
-            v.copy_to_host_async()
-    out = []
-    for v in values:
+    out = list(values)
+    local = [
+        i
+        for i, v in enumerate(values)
+        if isinstance(v, jax.Array) and v.is_fully_addressable
+    ]
+    arrays = [values[i] for i in local]
+    if arrays and _room_on_devices(arrays):
+        copies = _copy(arrays)
+    else:
+        for a in arrays:
+            a.copy_to_host_async()
+        copies = [np.asarray(a) for a in arrays]
+    for i, copy in zip(local, copies, strict=True):
+        out[i] = copy
+    for i, v in enumerate(values):
         if isinstance(v, jax.Array) and not v.is_fully_addressable:
-            v = multihost_utils.process_allgather(v, tiled=True)
-        out.append(np.asarray(keras.ops.convert_to_numpy(v)))
+            out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+        elif not isinstance(v, jax.Array):
+            out[i] = np.asarray(keras.ops.convert_to_numpy(v))
     return out
 
 
-def snapshot(model, *, with_config: bool) -> Snapshot:
-    """The state `model.save_weights` (or `model.save`) would write, on host."""
+def record(model, *, with_config: bool) -> Snapshot:
+    """Keras's saving walk of `model`, values as its saveables give them.
+
+    The result's entries hold variables (or values a layer computed); pass
+    it to `snapshot` to freeze them. A record whose entries are all
+    variables can be frozen again at a later step (`reusable`).
+    """
     store = _RecordingStore()
     assets = None
     config_json = metadata_json = None
@@ -142,10 +217,7 @@ def snapshot(model, *, with_config: bool) -> Snapshot:
         if assets is not None:
             assets.close()
         raise
-    keys = [(i, k) for i, (_, _, values) in enumerate(store.entries) for k in values]
-    host = _to_host([store.entries[i][2][k] for i, k in keys])
-    for (i, k), value in zip(keys, host, strict=True):
-        store.entries[i][2][k] = value
+    _optimizer_variables(model, store.entries)
     assets_dir = None
     if assets is not None:  # Keep the files the walk wrote (Keras's temp dir).
         assets_dir = tempfile.mkdtemp(prefix="keras_dist-assets-")
@@ -157,7 +229,58 @@ def snapshot(model, *, with_config: bool) -> Snapshot:
         config_json=config_json,
         metadata_json=metadata_json,
         assets_dir=assets_dir,
-        nbytes=sum(int(v.nbytes) for v in host),
+    )
+
+
+def _optimizer_variables(model, entries: list) -> None:
+    """The optimizer's entry back to its variables.
+
+    Keras's optimizer saves `variable.numpy()` under `"optimizer"`, key `i`
+    for `optimizer.variables[i]`: the variables let a later save reuse the
+    walk (and freeze them without waiting for the step computing them).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    variables = list(optimizer.variables)
+    for path, _, group in entries:
+        if path != "optimizer":
+            continue
+        for key, value in group.items():
+            i = int(key) if key.isdigit() else -1
+            if 0 <= i < len(variables) and tuple(np.shape(value)) == tuple(
+                variables[i].shape
+            ):
+                group[key] = variables[i]
+
+
+def reusable(recorded: Snapshot) -> bool:
+    """Whether every recorded value is a variable (and no config is kept)."""
+    return recorded.config_json is None and all(
+        isinstance(v, keras.Variable)
+        for _, _, group in recorded.entries
+        for v in group.values()
+    )
+
+
+def snapshot(model, *, with_config: bool, recorded: Snapshot | None = None) -> Snapshot:
+    """The state `model.save_weights` (or `model.save`) would write, frozen.
+
+    `recorded`: a `reusable` record of this model, to skip Keras's walk.
+    """
+    if recorded is None:
+        recorded = record(model, with_config=with_config)
+    keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
+    frozen = _freeze([recorded.entries[i][2][k] for i, k in keys])
+    entries = [(path, metadata, {}) for path, metadata, _ in recorded.entries]
+    for (i, k), value in zip(keys, frozen, strict=True):
+        entries[i][2][k] = value
+    return Snapshot(
+        entries=entries,
+        config_json=recorded.config_json,
+        metadata_json=recorded.metadata_json,
+        assets_dir=recorded.assets_dir,
+        nbytes=sum(int(v.nbytes) for v in frozen),
     )
 
 
@@ -170,6 +293,7 @@ def _replay(snap: Snapshot, store) -> None:
 
 def write_snapshot(snap: Snapshot, path: str) -> None:
     """Writes `snap` to `path`: a `.weights.h5` file, or a `.keras` zip."""
+    snap.to_host()
     if snap.config_json is None:
         store = H5IOStore(path, mode="w")
         try:

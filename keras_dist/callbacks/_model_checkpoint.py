@@ -12,7 +12,12 @@ from jax.experimental import multihost_utils
 
 from keras_dist._checks import check_int
 from keras_dist._keras_compat import step_counter, sync_state
-from keras_dist._keras_compat._saving import snapshot, write_snapshot
+from keras_dist._keras_compat._saving import (
+    record,
+    reusable,
+    snapshot,
+    write_snapshot,
+)
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
 from keras_dist.callbacks._chief import is_chief
@@ -170,6 +175,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         )
         self._sharded: ShardedCheckpoints | None = None
         self._last_save = time.monotonic()
+        self._recorded = None
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
@@ -185,6 +191,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 keep_period=self.keep_period,
             )
         self._last_save = time.monotonic()
+        self._recorded = None  # Keras's saving walk, kept while it is reusable.
         call = _call.active()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
@@ -275,9 +282,16 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         """The state to host memory here; the file written on the writer thread."""
         if is_chief():
             _check_not_dir(filepath)
-        with plain_learning_rate(self.model):  # Loadable without keras_dist.
-            # Every process: values split over processes are gathered.
-            snap = snapshot(self.model, with_config=not self.save_weights_only)
+        with_config = not self.save_weights_only
+        if self._recorded is None:
+            with plain_learning_rate(self.model):  # Loadable without keras_dist.
+                walk = record(self.model, with_config=with_config)
+            if reusable(walk):
+                self._recorded = walk
+        else:
+            walk = self._recorded
+        # Every process: values split over processes are gathered.
+        snap = snapshot(self.model, with_config=with_config, recorded=walk)
         if not is_chief():
             snap.release()
             return

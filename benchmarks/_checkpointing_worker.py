@@ -1,0 +1,193 @@
+"""One checkpointing configuration in a fresh process (`checkpointing.py`).
+
+    python benchmarks/_checkpointing_worker.py CONFIG SIZE LAYOUT STEPS EVERY DIR
+
+Trains an MLP with Adam (`SIZE`: its state, weights + Adam's two slots, of
+~100 MB or ~1 GB) under `LAYOUT` (`fsdp`: MirroredStrategy(shard_variables=
+True); `mirrored`), one warm-up `fit` of `EVERY` steps (compilation), then
+one timed `fit` of `STEPS` steps with the configuration's callback saving
+every `EVERY` steps into `DIR`. Prints `RESULT {json}`: ms/step, the
+seconds the training thread spent in each save (`blocked_s`), the wait for
+saves in flight at the end of `fit`, the device -> host copy time of the
+whole state (the limit of any save that snapshots it), the peak RSS above
+the RSS before the timed `fit`.
+"""
+
+import os
+import sys
+import threading
+import time
+
+from _runs import force_host_devices, print_result
+
+CONFIG, SIZE, LAYOUT = sys.argv[1], sys.argv[2], sys.argv[3]
+STEPS, EVERY, DIRECTORY = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+PLATFORM = force_host_devices(8)
+os.environ["KERAS_BACKEND"] = "jax"
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_dist as kd  # noqa: E402
+
+# (width, hidden layers, batch): ~8.5 M and ~85 M parameters.
+SIZES = {"100mb": (1024, 8, 64), "1gb": (3072, 9, 32)}
+WIDTH, DEPTH, BATCH = SIZES[SIZE]
+
+
+class RSSPeak:
+    """Peak resident memory of this process, sampled every 2 ms."""
+
+    def __init__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _timed(obj, name: str, record: list) -> None:
+    """Records the seconds each call of `obj.name` takes (a save's block)."""
+    method = getattr(obj, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - start)
+
+    setattr(obj, name, timed)
+
+
+def callback(blocked: list):
+    """The configuration's checkpoint callback, its save entry point timed."""
+    path = os.path.join(DIRECTORY, "ckpt")
+    if CONFIG == "nosave":
+        return None
+    if CONFIG in ("bar_sync", "bar_async"):
+        cb = kd.callbacks.BackupAndRestore(
+            path,
+            save_freq=EVERY,
+            delete_checkpoint=False,
+            async_save=CONFIG == "bar_async",
+        )
+        _timed(cb, "_save", blocked)
+    elif CONFIG in ("mc_sync", "mc_async", "mc_sharded"):
+        sharded = CONFIG == "mc_sharded"
+        cb = kd.callbacks.ModelCheckpoint(
+            path if sharded else path + "_{batch}.weights.h5",
+            save_weights_only=not sharded,
+            save_freq=EVERY,
+            async_save=CONFIG != "mc_sync",
+            sharded=sharded,
+            max_to_keep=2,
+        )
+        _timed(cb, "_save_model", blocked)
+    elif CONFIG == "keras_orbax":
+        cb = keras.callbacks.OrbaxCheckpoint(
+            path, save_freq=EVERY, save_on_background=True, max_to_keep=2
+        )
+        _timed(cb, "_save_checkpoint", blocked)
+    else:
+        raise SystemExit(f"unknown configuration {CONFIG!r}")
+    return cb
+
+
+def host_copy_seconds(model) -> float:
+    """Device -> host copy of the whole state: every copy started, then awaited."""
+    best = float("inf")
+    for _ in range(3):
+        values = [v.value for v in model.variables + model.optimizer.variables]
+        start = time.perf_counter()
+        for v in values:
+            v.copy_to_host_async()
+        _ = [np.array(v, copy=True) for v in values]
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main():
+    devices = jax.devices()
+    if LAYOUT == "fsdp":
+        strategy = kd.MirroredStrategy(devices, shard_variables=True)
+    else:
+        strategy = kd.MirroredStrategy(devices)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        layers = [keras.Input((WIDTH,))]
+        layers += [keras.layers.Dense(WIDTH, activation="relu") for _ in range(DEPTH)]
+        layers += [keras.layers.Dense(10)]
+        model = keras.Sequential(layers)
+        model.compile(
+            keras.optimizers.Adam(1e-4),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    rows = BATCH * (STEPS + EVERY)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((rows, WIDTH), dtype=np.float32)
+    y = rng.integers(0, 10, rows)
+    model.fit(x[: BATCH * EVERY], y[: BATCH * EVERY], batch_size=BATCH, verbose=0)
+    blocked: list = []
+    cb = callback(blocked)
+    ends: list = []
+    if cb is not None:
+        _timed(cb, "on_train_end", ends)
+    rss_before = RSSPeak.now()
+    with RSSPeak() as rss:
+        start = time.perf_counter()
+        history = model.fit(
+            x[BATCH * EVERY :],
+            y[BATCH * EVERY :],
+            batch_size=BATCH,
+            verbose=0,
+            shuffle=False,
+            callbacks=[cb] if cb is not None else [],
+        )
+        seconds = time.perf_counter() - start
+    state = sum(v.value.nbytes for v in model.variables + model.optimizer.variables)
+    print_result(
+        {
+            "config": CONFIG,
+            "size": SIZE,
+            "layout": LAYOUT,
+            "platform": PLATFORM,
+            "devices": len(devices),
+            "params": int(model.count_params()),
+            "state_mb": state / 2**20,
+            "steps": STEPS,
+            "every": EVERY,
+            "ms_per_step": [1000 * seconds / STEPS],
+            "saves": len(blocked),
+            "blocked_s": blocked,
+            "end_wait_s": sum(ends),
+            "host_copy_s": host_copy_seconds(model),
+            "peak_rss_mb": rss.peak / 2**20,
+            "extra_rss_mb": max(0, rss.peak - rss_before) / 2**20,
+            "first_epoch_s": 0.0,
+            "final_loss": float(history.history["loss"][-1]),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

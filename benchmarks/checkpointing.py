@@ -1,0 +1,200 @@
+"""Checkpoints that do not stop training: step time while saving, blocked time.
+
+Trains an MLP with Adam (state: weights + Adam's two slots, ~100 MB, and
+~1 GB without `--quick`) under MirroredStrategy(shard_variables=True)
+(`fsdp`) and MirroredStrategy (`mirrored`), saving every `--every` steps,
+each configuration in a fresh process (`benchmarks/_checkpointing_worker.py`):
+
+    nosave       no checkpoint callback (the reference step time)
+    bar_sync     kd.callbacks.BackupAndRestore(async_save=False)
+    bar_async    kd.callbacks.BackupAndRestore()          (async, the default)
+    mc_sync      kd.callbacks.ModelCheckpoint(".weights.h5", async_save=False)
+    mc_async     kd.callbacks.ModelCheckpoint(".weights.h5")  (async, default)
+    mc_sharded   kd.callbacks.ModelCheckpoint(dir, sharded=True) (Orbax, async)
+    keras_orbax  keras.callbacks.OrbaxCheckpoint(save_on_background=True)
+
+and reports the step time against `nosave`'s, the training thread's median
+block per save against the device -> host copy time of the whole state (the
+limit of a save that snapshots it on host), the wait at the end of `fit`
+for the save in flight, and the peak RSS above the RSS before the timed
+`fit`. PASS/MISS for the targets of issue 29: step time while saving <=
+1.05x, blocked <= 1.2x the device -> host copy, for the asynchronous
+keras_dist configurations. Writes `checkpointing.{json,md,png}` to `--out`.
+
+    python benchmarks/checkpointing.py --quick        # ~100 MB only: ~8 min CPU
+    python benchmarks/checkpointing.py                # + ~1 GB
+    python benchmarks/checkpointing.py --platform gpu --layouts mirrored
+"""
+
+import argparse
+import datetime
+import pathlib
+import platform
+import statistics
+import tempfile
+
+from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
+
+HERE = pathlib.Path(__file__).resolve().parent
+CONFIGS = [
+    "nosave",
+    "bar_sync",
+    "bar_async",
+    "mc_sync",
+    "mc_async",
+    "mc_sharded",
+    "keras_orbax",
+]
+ASYNC = ("bar_async", "mc_async", "mc_sharded")
+
+
+def _parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the ~100 MB model only")
+    p.add_argument("--sizes", default=None, help="comma list of 100mb,1gb")
+    p.add_argument("--layouts", default="fsdp,mirrored")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--steps", type=int, default=40, help="timed steps per run")
+    p.add_argument("--every", type=int, default=10, help="save every N steps")
+    p.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    return p
+
+
+def analyse(rows: list) -> list:
+    targets = []
+    for row in rows:
+        if "error" in row:
+            continue
+        blocked = row["blocked_s"]
+        row["blocked_ms"] = 1000 * statistics.median(blocked) if blocked else 0.0
+        row["host_copy_ms"] = 1000 * row["host_copy_s"]
+        base = next(
+            (
+                r
+                for r in rows
+                if r.get("config") == "nosave"
+                and r.get("size") == row["size"]
+                and r.get("layout") == row["layout"]
+                and "error" not in r
+            ),
+            None,
+        )
+        row["slowdown"] = row["ms_median"] / base["ms_median"] if base else None
+        if row["config"] not in ASYNC:
+            continue
+        name = f"{row['config']} {row['size']} {row['layout']}"
+        targets.append(
+            {
+                "target": f"{name}: step time saving every {row['every']} <= 1.05x",
+                "value": row["slowdown"],
+                "limit": 1.05,
+                "pass": row["slowdown"] is not None and row["slowdown"] <= 1.05,
+            }
+        )
+        ratio = row["blocked_ms"] / max(row["host_copy_ms"], 1e-9)
+        targets.append(
+            {
+                "target": f"{name}: blocked per save <= 1.2x device->host copy",
+                "value": ratio,
+                "limit": 1.2,
+                "pass": ratio <= 1.2,
+            }
+        )
+    return targets
+
+
+def markdown(payload: dict) -> str:
+    out = [
+        f"Measured {payload['date']} on {payload['machine']}: an MLP with Adam, "
+        f"{payload['steps']} timed steps, a save every {payload['every']} steps "
+        "(the timed fit's end included: it waits for the save in flight).",
+        "",
+        "| size | layout | config | ms/step | x no-save | blocked ms/save "
+        "(median) | device->host ms | end wait ms | extra RSS MB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in payload["rows"]:
+        if "error" in r:
+            out.append(
+                f"| {r['size']} | {r['layout']} | {r['config']} | failed: "
+                f"{r['error'][:80]} | | | | | |"
+            )
+            continue
+        out.append(
+            f"| {r['size']} ({r['state_mb']:.0f} MB) | {r['layout']} | "
+            f"{r['config']} | {r['ms_median']:.1f} | {fmt(r['slowdown'])} | "
+            f"{r['blocked_ms']:.1f} | {r['host_copy_ms']:.1f} | "
+            f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} |"
+        )
+    out += targets_table(payload["targets"])
+    return "\n".join(out) + "\n"
+
+
+def plot(payload: dict, path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = [r for r in payload["rows"] if "error" not in r and r["config"] != "nosave"]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"{r['config']}\n{r['size']} {r['layout']}" for r in rows]
+    ax.bar(range(len(rows)), [r["slowdown"] or 0 for r in rows])
+    ax.axhline(1.05, color="red", linestyle="--", label="target 1.05x")
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
+    ax.set_ylabel("step time / no save")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main():
+    args = _parser().parse_args()
+    sizes = args.sizes or ("100mb" if args.quick else "100mb,1gb")
+    rows = []
+    for size in sizes.split(","):
+        for layout in args.layouts.split(","):
+            for config in args.configs.split(","):
+                with tempfile.TemporaryDirectory(prefix="kd-ckpt-bench-") as d:
+                    row = run_worker(
+                        HERE / "_checkpointing_worker.py",
+                        [config, size, layout, args.steps, args.every, d],
+                        timeout=args.timeout,
+                        platform_name=args.platform,
+                        ident={"config": config, "size": size, "layout": layout},
+                    )
+                print(
+                    f"{size} {layout} {config}: "
+                    + (
+                        row["error"]
+                        if "error" in row
+                        else f"{row['ms_median']:.1f} ms/step, "
+                        f"{len(row['blocked_s'])} saves"
+                    ),
+                    flush=True,
+                )
+                rows.append(row)
+    targets = analyse(rows)
+    devices = next((r["devices"] for r in rows if "devices" in r), 8)
+    payload = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(args.platform, devices),
+        "python": platform.python_version(),
+        "steps": args.steps,
+        "every": args.every,
+        "rows": rows,
+        "targets": targets,
+    }
+    stem = (
+        "checkpointing" if args.platform == "cpu" else f"checkpointing_{args.platform}"
+    )
+    write_results(args.out, stem, payload, markdown, plot)
+    for t in targets:
+        print(("PASS " if t["pass"] else "MISS ") + t["target"])
+
+
+if __name__ == "__main__":
+    main()
