@@ -7,7 +7,9 @@ Trains an MLP with Adam (`SIZE`: its state, weights + Adam's two slots, of
 True); `mirrored`), one warm-up `fit` of `EVERY` steps (compilation), then
 one timed `fit` of `STEPS` steps with the configuration's callback saving
 every `EVERY` steps into `DIR`. Prints `RESULT {json}`: ms/step, the
-seconds the training thread spent in each save (`blocked_s`), the wait for
+seconds the training thread spent in each save (`blocked_s`) and, of
+those, waiting for the previous save to finish (`waited_s`: keras_dist's
+callbacks only), the wait for
 saves in flight at the end of `fit`, the device -> host copy time of the
 whole state (the limit of any save that snapshots it), the peak RSS above
 the RSS before the timed `fit`.
@@ -65,18 +67,52 @@ class RSSPeak:
         self._thread.join()
 
 
-def _timed(obj, name: str, record: list) -> None:
+# Within a save: the seconds it waited for the previous save to finish.
+_SAVE = {"inside": False, "waited": 0.0, "depth": 0}
+WAITED: list = []
+
+
+def _timed(obj, name: str, record: list, save: bool = False) -> None:
     """Records the seconds each call of `obj.name` takes (a save's block)."""
     method = getattr(obj, name)
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
+        if save:
+            _SAVE.update(inside=True, waited=0.0)
         try:
             return method(*args, **kwargs)
         finally:
             record.append(time.perf_counter() - start)
+            if save:
+                WAITED.append(_SAVE["waited"])
+                _SAVE["inside"] = False
 
     setattr(obj, name, timed)
+
+
+def _count_waits() -> None:
+    """Times keras_dist's waits for a save in flight (outermost call only)."""
+    from keras_dist.callbacks import _background, _backup_store, _sharded_checkpoints
+
+    for cls in (
+        _background.BackgroundWriter,
+        _backup_store.BackupStore,
+        _sharded_checkpoints.ShardedCheckpoints,
+    ):
+        method = cls.wait
+
+        def wait(self, *args, _method=method, **kwargs):
+            start = time.perf_counter()
+            _SAVE["depth"] += 1
+            try:
+                return _method(self, *args, **kwargs)
+            finally:
+                _SAVE["depth"] -= 1
+                if _SAVE["inside"] and _SAVE["depth"] == 0:
+                    _SAVE["waited"] += time.perf_counter() - start
+
+        cls.wait = wait
 
 
 def callback(blocked: list):
@@ -91,7 +127,7 @@ def callback(blocked: list):
             delete_checkpoint=False,
             async_save=CONFIG == "bar_async",
         )
-        _timed(cb, "_save", blocked)
+        _timed(cb, "_save", blocked, save=True)
     elif CONFIG in ("mc_sync", "mc_async", "mc_sharded"):
         sharded = CONFIG == "mc_sharded"
         cb = kd.callbacks.ModelCheckpoint(
@@ -102,12 +138,12 @@ def callback(blocked: list):
             sharded=sharded,
             max_to_keep=2,
         )
-        _timed(cb, "_save_model", blocked)
+        _timed(cb, "_save_model", blocked, save=True)
     elif CONFIG == "keras_orbax":
         cb = keras.callbacks.OrbaxCheckpoint(
             path, save_freq=EVERY, save_on_background=True, max_to_keep=2
         )
-        _timed(cb, "_save_checkpoint", blocked)
+        _timed(cb, "_save_checkpoint", blocked, save=True)
     else:
         raise SystemExit(f"unknown configuration {CONFIG!r}")
     return cb
@@ -148,6 +184,7 @@ def main():
     y = rng.integers(0, 10, rows)
     model.fit(x[: BATCH * EVERY], y[: BATCH * EVERY], batch_size=BATCH, verbose=0)
     blocked: list = []
+    _count_waits()
     cb = callback(blocked)
     ends: list = []
     if cb is not None:
@@ -179,6 +216,7 @@ def main():
             "ms_per_step": [1000 * seconds / STEPS],
             "saves": len(blocked),
             "blocked_s": blocked,
+            "waited_s": WAITED,
             "end_wait_s": sum(ends),
             "host_copy_s": host_copy_seconds(model),
             "peak_rss_mb": rss.peak / 2**20,

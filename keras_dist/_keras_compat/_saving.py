@@ -46,6 +46,7 @@ from keras.src.saving.saving_lib import (
 
 __all__ = [
     "Snapshot",
+    "freeze",
     "orbax_payload",
     "record",
     "reusable",
@@ -159,14 +160,14 @@ def _copy(arrays: list) -> list:
     return [a + jnp.zeros((), a.dtype) for a in arrays]
 
 
-def _freeze(values: list) -> list:
+def freeze(values: list) -> list:
     """`values` frozen without waiting for them to be computed.
 
     A value with parts on other processes is gathered to host now (a
     collective). The others are copied on their devices (one asynchronous
     dispatch: the training thread does not wait for the step that computes
     them, and the next step may donate the originals) when the devices have
-    room, else brought to host now.
+    room, else copied to host now (which waits for that step).
     """
     values = [_device_value(v) for v in values]
     out = list(values)
@@ -181,7 +182,7 @@ def _freeze(values: list) -> list:
     else:
         for a in arrays:
             a.copy_to_host_async()
-        copies = [np.asarray(a) for a in arrays]
+        copies = [np.array(a, copy=True) for a in arrays]
     for i, copy in zip(local, copies, strict=True):
         out[i] = copy
     for i, v in enumerate(values):
@@ -271,7 +272,7 @@ def snapshot(model, *, with_config: bool, recorded: Snapshot | None = None) -> S
     if recorded is None:
         recorded = record(model, with_config=with_config)
     keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
-    frozen = _freeze([recorded.entries[i][2][k] for i, k in keys])
+    frozen = freeze([recorded.entries[i][2][k] for i, k in keys])
     entries = [(path, metadata, {}) for path, metadata, _ in recorded.entries]
     for (i, k), value in zip(keys, frozen, strict=True):
         entries[i][2][k] = value

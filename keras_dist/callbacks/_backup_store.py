@@ -6,7 +6,8 @@ import warnings
 import jax
 import numpy as np
 
-from keras_dist.callbacks._background import write_failed
+from keras_dist._keras_compat._saving import freeze
+from keras_dist.callbacks._background import BackgroundWriter, write_failed
 from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
@@ -41,6 +42,14 @@ class BackupStore:
     write that failed in the background raises `CheckpointWriteError` (its
     path and cause) at the next `check`, `save`, `wait` or `close`; the
     backup it was writing is never committed, so the previous one is intact.
+
+    In one process, an asynchronous `save` only freezes the state (copies
+    on its devices, one dispatch that does not wait for the step computing
+    it; on host when the devices lack room) and Orbax runs on keras_dist's
+    writer thread, device -> host copies included. With several processes,
+    Orbax's own asynchronous save runs on the training thread (its
+    cross-process barriers must keep one order on every process): it
+    returns once the device -> host copies are done.
     """
 
     def __init__(self, directory: str, *, async_save: bool):
@@ -49,11 +58,17 @@ class BackupStore:
         self.directory = directory
         self.async_save = async_save
         self.pending: int | None = None  # The number of a save in flight.
+        # One process: the whole save on keras_dist's writer thread.
+        self._writer = None
+        if async_save and jax.process_count() == 1:
+            self._writer = BackgroundWriter(
+                "BackupAndRestore", f"The previous backup in {directory} is intact."
+            )
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=2,
-                enable_async_checkpointing=async_save,
+                enable_async_checkpointing=async_save and self._writer is None,
                 create=True,
                 # A backup an interrupted run left half-written (Orbax writes
                 # `<step>.orbax-checkpoint-tmp-*` then renames) is deleted.
@@ -62,8 +77,6 @@ class BackupStore:
         )
 
     def save(self, model, number: int, meta: dict) -> None:
-        import orbax.checkpoint as ocp
-
         groups = variable_groups(model)
         state = {name: [v.value for v in vs] for name, vs in groups.items()}
         meta = {
@@ -74,17 +87,35 @@ class BackupStore:
             },
         }
         self.wait()  # One save in flight: the older one first (and its error).
+        if self._writer is not None:
+            frozen = freeze([v for vs in state.values() for v in vs])
+            it = iter(frozen)
+            state = {name: [next(it) for _ in vs] for name, vs in state.items()}
+            self.pending = number
+            self._writer.submit(
+                f"the backup of step {number} to "
+                f"{os.path.join(self.directory, str(number))}",
+                lambda: self._write(number, state, meta),
+            )
+            return
+        self.pending = number
+        self._write(number, state, meta)
+        if not self.async_save:
+            self.wait()
+
+    def _write(self, number: int, state: dict, meta: dict) -> None:
+        import orbax.checkpoint as ocp
+
         if number in self._manager.all_steps():
             self._manager.delete(number)
-        self.pending = number
         self._manager.save(
             number,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
-        if not self.async_save:
-            self.wait()
+        if self._writer is not None:  # On the writer thread: the files too.
+            self._manager.wait_until_finished()
 
     def check(self) -> None:
         """Raises the error of a background write that failed, if one did.
@@ -93,6 +124,13 @@ class BackupStore:
             CheckpointWriteError: naming the backup's path and the cause.
         """
         if self.pending is None:
+            return
+        if self._writer is not None:
+            try:
+                self._writer.check()
+            finally:
+                if not self._writer.pending:
+                    self.pending = None
             return
         try:
             self._manager.check_for_errors()
@@ -106,6 +144,10 @@ class BackupStore:
             CheckpointWriteError: if it failed.
         """
         if self.pending is None:
+            return
+        if self._writer is not None:
+            self.pending = None
+            self._writer.wait()
             return
         try:
             self._manager.wait_until_finished()
@@ -204,4 +246,6 @@ class BackupStore:
         try:
             self.wait()
         finally:
+            if self._writer is not None:
+                self._writer.close()
             self._manager.close()
