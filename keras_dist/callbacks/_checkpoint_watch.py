@@ -4,7 +4,7 @@ import dataclasses
 import json
 import os
 
-from keras_dist.callbacks._model_checkpoint import STATE_FILE
+from keras_dist.callbacks._checkpoint_lookup import STATE_FILE
 
 __all__ = ["Checkpoint", "CheckpointWatch"]
 

@@ -1,10 +1,9 @@
-"""`ModelCheckpoint` that only the chief writes, atomically; `latest_checkpoint`."""
+"""`ModelCheckpoint` that only the chief writes, atomically, in the background."""
 
 import json
 import os
 import tempfile
 import time
-import warnings
 
 import jax
 import keras
@@ -20,6 +19,7 @@ from keras_dist._keras_compat._saving import (
 )
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
+from keras_dist.callbacks._checkpoint_lookup import STATE_FILE, SUFFIXES
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import (
     atomic_write,
@@ -30,10 +30,7 @@ from keras_dist.callbacks._lr_control import plain_learning_rate
 from keras_dist.callbacks._sharded_checkpoints import ShardedCheckpoints
 from keras_dist.data import _call
 
-__all__ = ["ModelCheckpoint", "latest_checkpoint"]
-
-STATE_FILE = "checkpoint"
-_SUFFIXES = (".weights.h5", ".keras", ".h5")
+__all__ = ["ModelCheckpoint"]
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
@@ -123,13 +120,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                     f"`{name}` must be True or False. Received: {name}={flag!r}."
                 )
         if sharded:
-            if "{" in filepath or filepath.endswith(_SUFFIXES):
+            if "{" in filepath or filepath.endswith(SUFFIXES):
                 raise ValueError(
                     "With sharded=True, `filepath` is the directory of the "
                     "checkpoints (one subdirectory per step): no `{}` keys and "
                     f"no file suffix. Received: filepath={filepath!r}."
                 )
-        elif not filepath.endswith(_SUFFIXES) and "." not in os.path.basename(filepath):
+        elif not filepath.endswith(SUFFIXES) and "." not in os.path.basename(filepath):
             filepath += ".weights.h5" if weights_only else ".keras"
         expected = (".weights.h5",) if weights_only else (".keras", ".h5")
         if not sharded and (
@@ -370,73 +367,3 @@ def _check_not_dir(filepath: str) -> None:
 def _write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
-
-
-def _indexed_latest(state_path: str) -> str | None:
-    """The `latest` entry of a `checkpoint` index; None (with a warning if the
-    file exists but cannot be read) otherwise."""
-    if not os.path.exists(state_path):
-        return None
-    try:
-        with open(state_path) as f:
-            latest = json.load(f).get("latest")
-        if latest is not None and not isinstance(latest, str):
-            raise ValueError(f'"latest" is {latest!r}, not a file name')
-    except (OSError, ValueError, AttributeError) as error:
-        warnings.warn(
-            f"The checkpoint index {state_path} cannot be read ({error}); using "
-            "the newest checkpoint file in its directory instead. Delete the "
-            "index (ModelCheckpoint writes a new one at its next save).",
-            stacklevel=3,
-        )
-        return None
-    return latest
-
-
-def _orbax_steps(directory: str) -> list[int]:
-    """The committed Orbax checkpoints of `directory` (a step's directory is
-    renamed to its number once complete)."""
-    if not os.path.isdir(directory):
-        return []
-    return [
-        int(entry.name)
-        for entry in os.scandir(directory)
-        if entry.name.isdigit() and entry.is_dir()
-    ]
-
-
-def latest_checkpoint(directory) -> str | None:
-    """The newest checkpoint in `directory`, or None if there is none.
-
-    For a directory of Orbax checkpoints (`ModelCheckpoint(sharded=True)`,
-    `keras.callbacks.OrbaxCheckpoint`), the directory itself:
-    `model.load_weights` and `keras.models.load_model` read its newest
-    committed step. (Keras matches the saved state by the model's and
-    layers' names: load into a model built as the one that saved, e.g. the
-    same script in a new process.)
-
-    Reads the `checkpoint` file `ModelCheckpoint` keeps; without one (or
-    with one that cannot be read: a warning), picks the most recently
-    modified `.weights.h5`/`.keras` file (ignoring temporary files of
-    interrupted writes).
-    """
-    directory = os.fspath(directory)
-    if _orbax_steps(directory):
-        # `ModelCheckpoint(sharded=True)` or keras.callbacks.OrbaxCheckpoint:
-        # Keras's loaders take the directory and read its newest step (they
-        # do not recognise a step's own directory).
-        return directory
-    state_path = os.path.join(directory, STATE_FILE)
-    latest = _indexed_latest(state_path)
-    if latest and os.path.exists(os.path.join(directory, latest)):
-        return os.path.join(directory, latest)
-    if not os.path.isdir(directory):
-        return None
-    candidates = [
-        os.path.join(directory, name)
-        for name in os.listdir(directory)
-        if name.endswith(_SUFFIXES) and not name.startswith(".tmp-")
-    ]
-    if not candidates:
-        return None
-    return max(candidates, key=lambda p: (os.path.getmtime(p), p))

@@ -8,12 +8,25 @@ state it holds (nothing is gathered on one host); Orbax commits a step by
 a rename once every part is written.
 """
 
+import json
 import os
+
+import jax
 
 from keras_dist._keras_compat._saving import orbax_payload
 from keras_dist.callbacks._background import write_failed
 
-__all__ = ["ShardedCheckpoints"]
+__all__ = ["ShardedCheckpoints", "restore_sharded"]
+
+# `model.get_state_tree()`'s groups, in its order.
+GROUPS = {
+    "trainable_variables": lambda m: m.trainable_variables,
+    "non_trainable_variables": lambda m: m.non_trainable_variables,
+    "optimizer_variables": lambda m: m.optimizer.variables if m.optimizer else [],
+    "metrics_variables": lambda m: m.metrics_variables,
+}
+# The checkpointable with each group's variable paths in the model's order.
+ORDER = "keras_dist"
 
 
 def _v1():
@@ -63,6 +76,11 @@ class ShardedCheckpoints:
     def save(self, model, step: int, *, weights_only: bool) -> str | None:
         """Starts saving `model` as `step`; its directory (None if it exists)."""
         payload = orbax_payload(model, weights_only=weights_only)
+        payload[ORDER] = {
+            "paths": json.dumps(
+                {group: [v.path for v in get(model)] for group, get in GROUPS.items()}
+            )
+        }
         self.wait()
         if step in self.steps():  # The same step (an epoch end after a save).
             return None
@@ -100,3 +118,97 @@ class ShardedCheckpoints:
             self.wait()
         finally:
             self._checkpointer.close()
+
+
+def _step_directory(path: str) -> str:
+    steps = [int(e.name) for e in os.scandir(path) if e.name.isdigit() and e.is_dir()]
+    return os.path.join(path, str(max(steps))) if steps else path
+
+
+def _leaf(tree, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, path: str, value) -> None:
+    *parents, name = path.split("/")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[name] = value
+
+
+def restore_sharded(model, path: str) -> None:
+    """Loads an Orbax checkpoint (a directory of steps: the newest) into `model`.
+
+    Variables are matched by their order in the model, as the checkpoint's
+    `keras_dist` record lists them (`ModelCheckpoint(sharded=True)`), so the
+    model's and layers' names may differ from the saving run's; a checkpoint
+    of Keras's `OrbaxCheckpoint` (no record) is matched by names, as Keras
+    does. Each value is read in the layout of the variable it goes to
+    (another mesh, number of processes or one device). An optimizer not
+    built yet is built first; metrics not built yet (no `fit` or `evaluate`
+    so far) are left as they are.
+
+    Raises:
+        ValueError: the checkpoint does not fit the model (naming the first
+            variable that differs).
+    """
+    import orbax.checkpoint as ocp_root
+
+    ocp = ocp_root.v1
+    step_dir = _step_directory(path)
+    order = None
+    if os.path.isdir(os.path.join(step_dir, ORDER)):
+        order = json.loads(
+            ocp.load_checkpointables(step_dir, {ORDER: None})[ORDER]["paths"]
+        )
+    saved = ocp.pytree_metadata(step_dir, checkpointable_name="pytree").metadata
+    abstract: dict = {}
+    targets = []
+    optimizer = getattr(model, "optimizer", None)
+    if "optimizer_variables" in saved and optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    for group, leaves in saved.items():
+        abstract[group] = {}  # Orbax reads whole trees: every group, every leaf.
+        variables = list(GROUPS[group](model))
+        names = order[group] if order else [v.path for v in variables]
+        if group == "metrics_variables" and len(names) != len(variables):
+            # Metrics not built yet here: their epoch sums are read, not kept.
+            abstract[group] = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), leaves
+            )
+            continue
+        if len(names) != len(variables):
+            raise ValueError(
+                f"The checkpoint {step_dir} does not fit this model: it has "
+                f"{len(names)} {group}, the model {len(variables)}. Load it into "
+                "the model that wrote it."
+            )
+        for variable, name in zip(variables, names, strict=True):
+            try:
+                meta = _leaf(leaves, name)
+            except (KeyError, TypeError):
+                raise ValueError(
+                    f"The checkpoint {step_dir} has no {group} {name!r} (this "
+                    f"model's {variable.path!r}). Keras's OrbaxCheckpoint matches "
+                    "variables by name: build the model as the saving script did."
+                ) from None
+            if tuple(meta.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"The checkpoint {step_dir} does not fit this model: "
+                    f"{variable.path!r} has shape {tuple(variable.shape)}, the "
+                    f"checkpoint's {name!r} {tuple(meta.shape)}."
+                )
+            key = f"{group}/{name}"
+            _put(
+                abstract,
+                key,
+                jax.ShapeDtypeStruct(
+                    meta.shape, meta.dtype, sharding=variable.value.sharding
+                ),
+            )
+            targets.append((variable, key))
+    loaded = ocp.load_checkpointables(step_dir, {"pytree": abstract})["pytree"]
+    for variable, key in targets:
+        variable.assign(_leaf(loaded, key))

@@ -200,6 +200,49 @@ def test_sharded_checkpoints_load_with_keras_alone(tmp_path):
     assert onto.weights[0].value.sharding.num_devices == 4
 
 
+@pytest.mark.parametrize("devices", [8, 4, 1])
+def test_load_checkpoint_restores_onto_any_mesh_whatever_the_names(tmp_path, devices):
+    model = build_in_scope(_fsdp(), WEIGHTS)
+    directory = tmp_path / "sharded"
+    after = _fit(model, kd.callbacks.ModelCheckpoint(str(directory), sharded=True))
+    saved_slots = [np.array(v) for v in model.optimizer.variables]
+    # Built later in this process: other layer names than the saving model's.
+    if devices == 1:
+        strategy = kd.OneDeviceStrategy("cpu:0")
+    else:
+        strategy = kd.MirroredStrategy(
+            [f"cpu:{i}" for i in range(devices)], shard_variables=True
+        )
+    onto = build_in_scope(strategy, initial_weights())
+    if devices != 1:  # (On one device load_checkpoint builds the optimizer.)
+        onto.optimizer.build(onto.trainable_variables)
+    assert onto.weights[0].path != model.weights[0].path
+    kd.callbacks.load_checkpoint(onto, kd.callbacks.latest_checkpoint(directory))
+    assert_weights_close(after[8], onto.get_weights(), rtol=0, atol=0)
+    assert_weights_close(
+        saved_slots, [np.array(v) for v in onto.optimizer.variables], rtol=0, atol=0
+    )
+    assert int(np.asarray(onto.optimizer.iterations)) == 8
+    assert onto.weights[0].value.sharding.num_devices == devices
+    # Training goes on from there exactly as the saving model would.
+    x, y = X[:16], Y[:16]
+    model.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    onto.fit(x, y, batch_size=16, verbose=0, shuffle=False)
+    assert_weights_close(model.get_weights(), onto.get_weights(), rtol=1e-5)
+
+
+def test_load_checkpoint_refuses_another_model(tmp_path):
+    model = build_in_scope(_fsdp(), WEIGHTS)
+    directory = tmp_path / "sharded"
+    _fit(model, kd.callbacks.ModelCheckpoint(str(directory), sharded=True))
+    other = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    compile_model(other)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        kd.callbacks.load_checkpoint(other, directory)
+    with pytest.raises(FileNotFoundError, match="path="):
+        kd.callbacks.load_checkpoint(other, tmp_path / "missing")
+
+
 def test_keras_orbax_checkpoints_and_ours_read_each_other(tmp_path):
     model = _fresh(_fsdp(), WEIGHTS)
     directory = tmp_path / "keras_orbax"

@@ -1,0 +1,119 @@
+"""Finding and loading what `ModelCheckpoint` wrote: `latest_checkpoint`,
+`load_checkpoint`."""
+
+import json
+import os
+import warnings
+
+from keras_dist.callbacks._sharded_checkpoints import restore_sharded
+
+__all__ = ["STATE_FILE", "SUFFIXES", "latest_checkpoint", "load_checkpoint"]
+
+# ModelCheckpoint's index of its files, newest last.
+STATE_FILE = "checkpoint"
+SUFFIXES = (".weights.h5", ".keras", ".h5")
+
+
+def _indexed_latest(state_path: str) -> str | None:
+    """The `latest` entry of a `checkpoint` index; None (with a warning if the
+    file exists but cannot be read) otherwise."""
+    if not os.path.exists(state_path):
+        return None
+    try:
+        with open(state_path) as f:
+            latest = json.load(f).get("latest")
+        if latest is not None and not isinstance(latest, str):
+            raise ValueError(f'"latest" is {latest!r}, not a file name')
+    except (OSError, ValueError, AttributeError) as error:
+        warnings.warn(
+            f"The checkpoint index {state_path} cannot be read ({error}); using "
+            "the newest checkpoint file in its directory instead. Delete the "
+            "index (ModelCheckpoint writes a new one at its next save).",
+            stacklevel=3,
+        )
+        return None
+    return latest
+
+
+def _orbax_steps(directory: str) -> list[int]:
+    """The committed Orbax checkpoints of `directory` (a step's directory is
+    renamed to its number once complete)."""
+    if not os.path.isdir(directory):
+        return []
+    return [
+        int(entry.name)
+        for entry in os.scandir(directory)
+        if entry.name.isdigit() and entry.is_dir()
+    ]
+
+
+def latest_checkpoint(directory) -> str | None:
+    """The newest checkpoint in `directory`, or None if there is none.
+
+    For a directory of Orbax checkpoints (`ModelCheckpoint(sharded=True)`,
+    `keras.callbacks.OrbaxCheckpoint`), the directory itself:
+    `model.load_weights` and `keras.models.load_model` read its newest
+    committed step. (Keras matches the saved state by the model's and
+    layers' names: load into a model built as the one that saved, e.g. the
+    same script in a new process.)
+
+    Reads the `checkpoint` file `ModelCheckpoint` keeps; without one (or
+    with one that cannot be read: a warning), picks the most recently
+    modified `.weights.h5`/`.keras` file (ignoring temporary files of
+    interrupted writes).
+    """
+    directory = os.fspath(directory)
+    if _orbax_steps(directory):
+        # `ModelCheckpoint(sharded=True)` or keras.callbacks.OrbaxCheckpoint:
+        # Keras's loaders take the directory and read its newest step (they
+        # do not recognise a step's own directory).
+        return directory
+    state_path = os.path.join(directory, STATE_FILE)
+    latest = _indexed_latest(state_path)
+    if latest and os.path.exists(os.path.join(directory, latest)):
+        return os.path.join(directory, latest)
+    if not os.path.isdir(directory):
+        return None
+    candidates = [
+        os.path.join(directory, name)
+        for name in os.listdir(directory)
+        if name.endswith(SUFFIXES) and not name.startswith(".tmp-")
+    ]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda p: (os.path.getmtime(p), p))
+
+
+def load_checkpoint(model, path) -> None:
+    """Loads a checkpoint `ModelCheckpoint` (or Keras) wrote into `model`.
+
+    A `.weights.h5` / `.keras` file loads as `model.load_weights` loads it.
+    A directory of Orbax checkpoints (`ModelCheckpoint(sharded=True)`,
+    `keras.callbacks.OrbaxCheckpoint`) loads its newest step (or the step
+    directory given): weights, and the optimizer's and metrics' state when
+    the checkpoint has them, each read straight into the layout of the
+    variable it goes to, on any mesh, number of processes or one device. A
+    `ModelCheckpoint(sharded=True)` checkpoint records its variables' order,
+    so the model's and layers' names need not match the saving run's (Keras's
+    own loaders match by name).
+
+    Example:
+
+    ```python
+    kd.callbacks.load_checkpoint(model, kd.callbacks.latest_checkpoint("ckpts"))
+    ```
+
+    Raises:
+        ValueError: the checkpoint does not fit the model.
+        FileNotFoundError: `path` does not exist.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"`path` must name a checkpoint file or directory. Received: "
+            f"path={path!r}, which does not exist."
+        )
+    if os.path.isdir(path):
+        restore_sharded(model, path)
+    else:
+        model.load_weights(path)
