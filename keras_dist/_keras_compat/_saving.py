@@ -123,18 +123,6 @@ class Snapshot:
             self.assets_dir = None
 
 
-def _device_value(value):
-    if isinstance(value, keras.Variable):
-        value = value.value
-    if (
-        isinstance(value, jax.Array)
-        and not value.is_fully_addressable
-        and value.is_fully_replicated
-    ):  # Whole on this process's devices too: no collective needed.
-        value = value.addressable_shards[0].data
-    return value
-
-
 def _room_on_devices(values: list) -> bool:
     """Whether every device has room for a copy of its parts of `values`.
 
@@ -153,6 +141,19 @@ def _room_on_devices(values: list) -> bool:
     return True
 
 
+def _to_numpy(arrays: list) -> list:
+    """Host copies (waiting for the values); parts on other processes gathered."""
+    for a in arrays:
+        if a.is_fully_addressable:
+            a.copy_to_host_async()
+    return [
+        np.array(a, copy=True)
+        if a.is_fully_addressable
+        else np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        for a in arrays
+    ]
+
+
 @jax.jit
 def _copy(arrays: list) -> list:
     """New buffers with the values of `arrays`, laid out alike (a compiled
@@ -160,35 +161,58 @@ def _copy(arrays: list) -> list:
     return [a + jnp.zeros((), a.dtype) for a in arrays]
 
 
-def freeze(values: list) -> list:
+def freeze(values: list, *, to_host_arrays: bool = False) -> list:
     """`values` frozen without waiting for them to be computed.
 
-    A value with parts on other processes is gathered to host now (a
-    collective). The others are copied on their devices (one asynchronous
-    dispatch: the training thread does not wait for the step that computes
-    them, and the next step may donate the originals) when the devices have
-    room, else copied to host now (which waits for that step).
+    Device arrays are copied on their devices (one asynchronous dispatch of
+    a compiled copy: the training thread does not wait for the step that
+    computes them, and the next step may donate the originals) when the
+    devices have room (values with parts on other processes always: every
+    process must run the same copy), else copied to host now (which waits
+    for that step). They stay global arrays (what Orbax writes, each process its parts):
+    with several processes every process must freeze the same values in
+    the same order.
+
+    With `to_host_arrays` (for a writer that needs the whole value on this
+    process), a value with parts on other processes is gathered to host now
+    (a collective), and a replicated one is taken from this process's
+    devices.
     """
-    values = [_device_value(v) for v in values]
+    values = [v.value if isinstance(v, keras.Variable) else v for v in values]
     out = list(values)
-    local = [
+    if to_host_arrays:
+        for i, v in enumerate(values):
+            if not isinstance(v, jax.Array) or v.is_fully_addressable:
+                continue
+            if v.is_fully_replicated:  # Whole on this process's devices too.
+                values[i] = v.addressable_shards[0].data
+            else:
+                out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    arrays = [
         i
         for i, v in enumerate(values)
-        if isinstance(v, jax.Array) and v.is_fully_addressable
+        if isinstance(v, jax.Array) and not isinstance(out[i], np.ndarray)
     ]
-    arrays = [values[i] for i in local]
-    if arrays and _room_on_devices(arrays):
-        copies = _copy(arrays)
-    else:
-        for a in arrays:
-            a.copy_to_host_async()
-        copies = [np.array(a, copy=True) for a in arrays]
-    for i, copy in zip(local, copies, strict=True):
-        out[i] = copy
+    # One compiled copy per set of devices (a program runs on one set);
+    # values kept in host memory (CentralStorageStrategy) go to NumPy.
+    groups: dict = {}
+    for i in arrays:
+        sharding = values[i].sharding
+        on_device = getattr(sharding, "memory_kind", None) in (None, "device")
+        key = (frozenset(d.id for d in sharding.device_set), on_device)
+        groups.setdefault(key, []).append(i)
+    for (_, on_device), members in groups.items():
+        group = [values[i] for i in members]
+        # Values spanning processes: every process must take the same road.
+        spans = not all(a.is_fully_addressable for a in group)
+        if on_device and (spans or _room_on_devices(group)):
+            copies = _copy(group)
+        else:
+            copies = _to_numpy(group)
+        for i, copy in zip(members, copies, strict=True):
+            out[i] = copy
     for i, v in enumerate(values):
-        if isinstance(v, jax.Array) and not v.is_fully_addressable:
-            out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
-        elif not isinstance(v, jax.Array):
+        if not isinstance(v, jax.Array):
             out[i] = np.asarray(keras.ops.convert_to_numpy(v))
     return out
 
@@ -272,7 +296,7 @@ def snapshot(model, *, with_config: bool, recorded: Snapshot | None = None) -> S
     if recorded is None:
         recorded = record(model, with_config=with_config)
     keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
-    frozen = freeze([recorded.entries[i][2][k] for i, k in keys])
+    frozen = freeze([recorded.entries[i][2][k] for i, k in keys], to_host_arrays=True)
     entries = [(path, metadata, {}) for path, metadata, _ in recorded.entries]
     for (i, k), value in zip(keys, frozen, strict=True):
         entries[i][2][k] = value

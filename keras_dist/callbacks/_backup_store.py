@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from keras_dist._keras_compat._saving import freeze
-from keras_dist.callbacks._background import BackgroundWriter, write_failed
+from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
@@ -45,11 +45,12 @@ class BackupStore:
 
     In one process, an asynchronous `save` only freezes the state (copies
     on its devices, one dispatch that does not wait for the step computing
-    it; on host when the devices lack room) and Orbax runs on keras_dist's
-    writer thread, device -> host copies included. With several processes,
-    Orbax's own asynchronous save runs on the training thread (its
-    cross-process barriers must keep one order on every process): it
-    returns once the device -> host copies are done.
+    it; on host when the devices lack room) and Orbax's save runs on
+    keras_dist's writer thread, device -> host copies included. With
+    several processes saves are synchronous: Orbax's save runs device
+    collectives (`sync_global_devices`) that must keep the training
+    thread's order, and Orbax 0.12's own asynchronous commit races there
+    ("ArrayMetadata Store contains metadata from just one process").
     """
 
     def __init__(self, directory: str, *, async_save: bool):
@@ -58,7 +59,10 @@ class BackupStore:
         self.directory = directory
         self.async_save = async_save
         self.pending: int | None = None  # The number of a save in flight.
-        # One process: the whole save on keras_dist's writer thread.
+        # Asynchronous: Orbax's save on keras_dist's writer thread. With
+        # several processes Orbax's save runs device collectives
+        # (`sync_global_devices`), which must keep the training thread's
+        # order: there it saves on the training thread.
         self._writer = None
         if async_save and jax.process_count() == 1:
             self._writer = BackgroundWriter(
@@ -68,7 +72,10 @@ class BackupStore:
             directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=2,
-                enable_async_checkpointing=async_save and self._writer is None,
+                # Orbax 0.12's own asynchronous commit races with several
+                # processes ("ArrayMetadata Store contains metadata from
+                # just one process"): the writer thread runs its sync save.
+                enable_async_checkpointing=False,
                 create=True,
                 # A backup an interrupted run left half-written (Orbax writes
                 # `<step>.orbax-checkpoint-tmp-*` then renames) is deleted.
@@ -87,35 +94,29 @@ class BackupStore:
             },
         }
         self.wait()  # One save in flight: the older one first (and its error).
-        if self._writer is not None:
-            frozen = freeze([v for vs in state.values() for v in vs])
-            it = iter(frozen)
-            state = {name: [next(it) for _ in vs] for name, vs in state.items()}
-            self.pending = number
-            self._writer.submit(
-                f"the backup of step {number} to "
-                f"{os.path.join(self.directory, str(number))}",
-                lambda: self._write(number, state, meta),
-            )
+        if self._writer is None:
+            self._write(number, state, meta)
             return
+        frozen = iter(freeze([v for vs in state.values() for v in vs]))
+        state = {name: [next(frozen) for _ in vs] for name, vs in state.items()}
         self.pending = number
-        self._write(number, state, meta)
-        if not self.async_save:
-            self.wait()
+        self._writer.submit(
+            f"the backup of step {number} to "
+            f"{os.path.join(self.directory, str(number))}",
+            lambda: self._write(number, state, meta),
+        )
 
     def _write(self, number: int, state: dict, meta: dict) -> None:
         import orbax.checkpoint as ocp
 
         if number in self._manager.all_steps():
             self._manager.delete(number)
-        self._manager.save(
+        self._manager.save(  # Synchronous: written and committed on return.
             number,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
-        if self._writer is not None:  # On the writer thread: the files too.
-            self._manager.wait_until_finished()
 
     def check(self) -> None:
         """Raises the error of a background write that failed, if one did.
@@ -123,19 +124,13 @@ class BackupStore:
         Raises:
             CheckpointWriteError: naming the backup's path and the cause.
         """
-        if self.pending is None:
-            return
-        if self._writer is not None:
-            try:
-                self._writer.check()
-            finally:
-                if not self._writer.pending:
-                    self.pending = None
+        if self._writer is None:
             return
         try:
-            self._manager.check_for_errors()
-        except Exception as error:
-            self._failed(error)
+            self._writer.check()
+        finally:
+            if not self._writer.pending:
+                self.pending = None
 
     def wait(self) -> None:
         """Waits until the save in flight is on disk (committed).
@@ -143,27 +138,10 @@ class BackupStore:
         Raises:
             CheckpointWriteError: if it failed.
         """
-        if self.pending is None:
+        if self._writer is None:
             return
-        if self._writer is not None:
-            self.pending = None
-            self._writer.wait()
-            return
-        try:
-            self._manager.wait_until_finished()
-        except Exception as error:
-            self._failed(error)
         self.pending = None
-
-    def _failed(self, error: Exception) -> None:
-        number, self.pending = self.pending, None
-        raise write_failed(
-            "BackupAndRestore",
-            f"the backup of step {number} to "
-            f"{os.path.join(self.directory, str(number))}",
-            error,
-            f"The previous backup in {self.directory} is intact.",
-        ) from error
+        self._writer.wait()
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model`; returns its meta.

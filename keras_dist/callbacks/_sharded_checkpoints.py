@@ -5,16 +5,20 @@ checkpointables `pytree` and `model_config`), so `keras.models.load_model`
 and `model.load_weights` read it, and `kd.callbacks.ModelCheckpoint` and
 Keras's callback read each other's. Each process writes the parts of the
 state it holds (nothing is gathered on one host); Orbax commits a step by
-a rename once every part is written.
+a rename once every part is written. In one process an asynchronous save
+freezes the state (`freeze`) and runs Orbax's save on keras_dist's writer
+thread; with several processes it is synchronous (Orbax's save runs device
+collectives, which must keep the training thread's order).
 """
 
 import json
 import os
 
 import jax
+import numpy as np
 
-from keras_dist._keras_compat._saving import orbax_payload
-from keras_dist.callbacks._background import write_failed
+from keras_dist._keras_compat._saving import freeze, orbax_payload
+from keras_dist.callbacks._background import BackgroundWriter
 
 __all__ = ["ShardedCheckpoints", "restore_sharded"]
 
@@ -58,9 +62,12 @@ class ShardedCheckpoints:
         else:
             preservation = policies.AnyPreservationPolicy(kept)
         self.directory = directory
-        self.async_save = async_save
-        self._response = None
-        self._step: int | None = None
+        # With several processes Orbax's save runs device collectives that
+        # must keep the training thread's order: synchronous there.
+        self.async_save = async_save and jax.process_count() == 1
+        self._writer = BackgroundWriter(
+            "ModelCheckpoint", f"The earlier checkpoints in {directory} are intact."
+        )
         self._checkpointer = ocp.training.Checkpointer(
             directory,
             preservation_policy=preservation,
@@ -74,7 +81,10 @@ class ShardedCheckpoints:
         return sorted(c.step for c in self._checkpointer.checkpoints)
 
     def save(self, model, step: int, *, weights_only: bool) -> str | None:
-        """Starts saving `model` as `step`; its directory (None if it exists)."""
+        """Saves `model` as `step` (asynchronously: starts); its directory.
+
+        None if that step is saved already (an epoch end right after a save).
+        """
         payload = orbax_payload(model, weights_only=weights_only)
         payload[ORDER] = {
             "paths": json.dumps(
@@ -82,40 +92,31 @@ class ShardedCheckpoints:
             )
         }
         self.wait()
-        if step in self.steps():  # The same step (an epoch end after a save).
+        if step in self.steps():
             return None
-        self._step = step
-        with _v1().Context():
-            self._response = self._checkpointer.save_checkpointables_async(
-                step, payload
-            )
+        path = os.path.join(self.directory, str(step))
         if not self.async_save:
-            self.wait()
-        return os.path.join(self.directory, str(step))
+            self._write(step, payload)
+            return path
+        leaves, tree = jax.tree.flatten(payload["pytree"])
+        payload["pytree"] = jax.tree.unflatten(tree, freeze(leaves))
+        self._writer.submit(path, lambda: self._write(step, payload))
+        return path
+
+    def _write(self, step: int, payload: dict) -> None:
+        with _v1().Context():
+            self._checkpointer.save_checkpointables(step, payload)
 
     def check(self) -> None:
         """Raises the error of a save that failed; never waits."""
-        if self._response is None or self._checkpointer.is_saving_in_progress():
-            return
-        self.wait()
+        self._writer.check()
 
     def wait(self) -> None:
-        response, self._response = self._response, None
-        if response is None:
-            return
-        try:
-            response.result()
-        except Exception as error:
-            raise write_failed(
-                "ModelCheckpoint",
-                os.path.join(self.directory, str(self._step)),
-                error,
-                f"The earlier checkpoints in {self.directory} are intact.",
-            ) from error
+        self._writer.wait()
 
     def close(self) -> None:
         try:
-            self.wait()
+            self._writer.close()
         finally:
             self._checkpointer.close()
 
@@ -175,8 +176,15 @@ def restore_sharded(model, path: str) -> None:
         names = order[group] if order else [v.path for v in variables]
         if group == "metrics_variables" and len(names) != len(variables):
             # Metrics not built yet here: their epoch sums are read, not kept.
+            everywhere = jax.sharding.NamedSharding(
+                jax.sharding.Mesh(np.array(jax.devices()), ("all",)),
+                jax.sharding.PartitionSpec(),
+            )
             abstract[group] = jax.tree.map(
-                lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), leaves
+                lambda m, s=everywhere: jax.ShapeDtypeStruct(
+                    m.shape, m.dtype, sharding=s
+                ),
+                leaves,
             )
             continue
         if len(names) != len(variables):

@@ -59,6 +59,13 @@ def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dic
                 os.path.join(workdir, "ckpt_{epoch}.weights.h5"),
                 save_weights_only=True,
             ),
+            # Each process writes its parts (asynchronous by default).
+            kd.callbacks.ModelCheckpoint(
+                os.path.join(workdir, "sharded"), sharded=True
+            ),
+            kd.callbacks.BackupAndRestore(
+                os.path.join(workdir, "backup"), save_freq=3, delete_checkpoint=False
+            ),
             keras.callbacks.CSVLogger(os.path.join(workdir, f"log_{rank}.csv")),
         ]
     history = model.fit(

@@ -12,6 +12,7 @@ replicas (mesh rows) each stay inside one process.
 import functools
 import json
 import pathlib
+import shutil
 
 import keras
 import numpy as np
@@ -19,7 +20,13 @@ import pytest
 
 import keras_dist as kd
 from tests import _models
-from tests._helpers import assert_history_close, assert_weights_close
+from tests._helpers import (
+    assert_history_close,
+    assert_weights_close,
+    build_in_scope,
+    initial_weights,
+    make_data,
+)
 from tests.cluster import _workload
 from tests.cluster.test_multi_worker import launch
 
@@ -119,6 +126,55 @@ def test_chief_writes_loadable_checkpoints_of_split_variables(cluster, name):
     model.load_weights(workdir / name / "ckpt_2.weights.h5")
     assert_weights_close(results[0][name]["fit"]["weights"], model.get_weights())
     assert isinstance(model, keras.Model)
+
+
+def _onto(devices: int):
+    if devices == 1:
+        return kd.OneDeviceStrategy("cpu:0")
+    return kd.MirroredStrategy(
+        [f"cpu:{i}" for i in range(devices)], shard_variables=True
+    )
+
+
+@pytest.mark.parametrize("devices", [8, 1])
+@pytest.mark.parametrize("name", FIT_NAMES)
+def test_two_process_sharded_checkpoints_restore_in_one_process(cluster, name, devices):
+    """Written by 2 processes (each its parts, in the background): exact on 1."""
+    workdir, results = cluster
+    model = build_in_scope(
+        _onto(devices), initial_weights(batch_norm=True), batch_norm=True
+    )
+    kd.callbacks.load_checkpoint(model, workdir / name / "sharded")
+    assert_weights_close(
+        results[0][name]["fit"]["weights"], model.get_weights(), rtol=0, atol=0
+    )
+    assert int(np.asarray(model.optimizer.iterations)) == 2 * 7  # 2 epochs of 7.
+
+
+@pytest.mark.parametrize("devices", [8, 1])
+def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devices):
+    """The 2-process FSDP run's last backup: a 1-process fit resumes from it."""
+    workdir, results = cluster
+    backup = tmp_path / "backup"
+    shutil.copytree(workdir / "fsdp" / "backup", backup)
+    model = build_in_scope(
+        _onto(devices), initial_weights(batch_norm=True), batch_norm=True
+    )
+    x, y, sw = make_data(_workload.N_TRAIN)
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sw,
+        batch_size=_workload.BATCH,
+        epochs=_workload.EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[kd.callbacks.BackupAndRestore(str(backup))],
+    )
+    assert history.history == {}  # Both epochs were done: nothing left to train.
+    assert_weights_close(
+        results[0]["fsdp"]["fit"]["weights"], model.get_weights(), rtol=0, atol=0
+    )
 
 
 @functools.cache
