@@ -3,7 +3,7 @@
 Used by tests/callbacks/test_backup_and_restore.py as a real, separate process:
     python resume_script.py OUT_DIR   (env: KD_REPLICAS, KD_BACKUP, KD_KILL_AT,
                                        KD_SIGNAL=KILL|TERM, KD_SAVE_FREQ, KD_WIDTH,
-                                       KD_INPUT, KD_PLAIN)
+                                       KD_INPUT, KD_PLAIN, KD_ASYNC, KD_MC)
 KD_INPUT picks the input: "numpy" (default: shuffled arrays, validation_split),
 "repeat" (tf.data shuffled each pass, `.repeat()`, steps_per_epoch=5: tf's
 multi-worker tutorial), "generator" (an infinite generator, steps_per_epoch=5),
@@ -72,6 +72,16 @@ if os.environ.get("KD_BACKUP"):
             # Killed right after a save, the tests expect that save on disk:
             # synchronous unless KD_ASYNC=1 (the async kill tests).
             async_save=os.environ.get("KD_ASYNC") == "1",
+        ),
+    )
+if os.environ.get("KD_MC"):  # Asynchronous ModelCheckpoint files every step too.
+    callbacks.insert(
+        0,
+        kd.callbacks.ModelCheckpoint(
+            os.path.join(os.environ["KD_MC"], "ckpt_{epoch}_{batch}.weights.h5"),
+            save_weights_only=True,
+            save_freq=1,
+            max_to_keep=3,
         ),
     )
 kind = os.environ.get("KD_INPUT", "numpy")

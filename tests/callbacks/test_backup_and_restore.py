@@ -8,13 +8,16 @@ replicas; killed with SIGKILL or SIGTERM at a chosen global step.
 import json
 import os
 import pathlib
+import random
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import keras_dist as kd
+from tests import _helpers
 
 SCRIPT = pathlib.Path(__file__).with_name("resume_script.py")
 pytestmark = pytest.mark.slow
@@ -260,6 +263,48 @@ def test_sigkill_during_async_saves_resumes_from_the_newest_complete_backup(
     assert f"resuming at epoch {epoch + 1}, step {step}" in resumed.stdout
     _assert_same(reference, tmp_path / "out", 4 - epoch)  # 4 epochs in all.
     assert not backup.exists()
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_sigkill_at_a_random_time_during_async_saves(reference, tmp_path, trial):
+    """Killed at a random moment while asynchronous saves run (every step,
+    BackupAndRestore and ModelCheckpoint files): the newest committed backup
+    resumes bit-identically, and the newest indexed checkpoint file loads."""
+    backup, ckpts, out = tmp_path / "backup", tmp_path / "ckpts", tmp_path / "out"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
+    environ.pop("XLA_FLAGS", None)
+    environ.update(
+        TF_CPP_MIN_LOG_LEVEL="3", KD_BACKUP=str(backup), KD_ASYNC="1", KD_MC=str(ckpts)
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out)],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (backup.exists() and any(n.isdigit() for n in os.listdir(backup))):
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no backup was committed in 240 s"
+            time.sleep(0.01)
+        time.sleep(random.Random(trial).uniform(0.0, 1.0))  # Saves run every step.
+        process.kill()
+    finally:
+        process.communicate(timeout=60)
+    if process.returncode == 0:  # It finished first: nothing was interrupted.
+        pytest.fail("the run ended before the kill; lengthen it")
+    assert process.returncode == -9
+    latest = kd.callbacks.latest_checkpoint(ckpts)
+    if latest is not None:  # Never a temporary file of an interrupted write.
+        assert not os.path.basename(latest).startswith(".tmp-")
+        resume_model_weights = _helpers.resume_model()
+        resume_model_weights.load_weights(latest)
+    resumed = _run(out, KD_BACKUP=backup, KD_ASYNC=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    epoch = int(resumed.stdout.split("resuming at epoch ")[1].split(",")[0])
+    _assert_same(reference, out, 4 - (epoch - 1))  # 4 epochs in all.
 
 
 def test_a_background_write_failure_raises_on_the_training_thread(tmp_path):
