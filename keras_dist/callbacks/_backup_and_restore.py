@@ -38,10 +38,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     reported and the previous one used. Restoring onto another number of
     replicas reshards the state onto the current strategy.
 
-    Saves are asynchronous by default: training waits only while the state's
-    device -> host copies start, and Orbax writes the files on a background
-    thread. One save is in flight at a time (a newer one waits for the
-    older). A background write that fails raises
+    Saves are asynchronous by default in one process: training waits only
+    while the state is frozen (copied on its devices), and Orbax writes the
+    files on keras_dist's writer thread. With several processes saves are
+    synchronous (Orbax's save runs device collectives that must keep the
+    training thread's order). One save is in flight at a time (a newer one
+    waits for the older). A background write that fails raises
     `kd.errors.CheckpointWriteError` (the path and the cause) on the training
     thread at the next step, save or the end of `fit`; the previous backup
     stays intact. A save in flight when `fit` ends, raises, or is preempted

@@ -59,10 +59,12 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
       when `fit` ends, raises or is preempted finishes first;
     - `sharded=True` writes Orbax checkpoints instead (`filepath` is their
       directory, one subdirectory per training step): each process writes
-      the parts of the state it holds, nothing is gathered on one host. The
-      layout is `keras.callbacks.OrbaxCheckpoint`'s: `keras.models.load_model`
-      and `model.load_weights` read it (and this callback's
-      `latest_checkpoint` reads Keras's);
+      the parts of the state it holds, nothing is gathered on one host
+      (asynchronous in one process; with several, synchronous: Orbax's save
+      runs device collectives). The layout is
+      `keras.callbacks.OrbaxCheckpoint`'s: `model.load_weights` reads it (by
+      names) and `kd.callbacks.load_checkpoint` onto any mesh (by order);
+      `latest_checkpoint` finds Keras's too;
     - keep policies: `max_to_keep`, `keep_period` (a checkpoint of a step
       that is a multiple of it is never deleted), and
       `save_interval_seconds` (also save at the first step end after that
