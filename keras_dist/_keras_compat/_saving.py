@@ -161,7 +161,9 @@ def _copy(arrays: list) -> list:
     return [a + jnp.zeros((), a.dtype) for a in arrays]
 
 
-def freeze(values: list, *, to_host_arrays: bool = False) -> list:
+def freeze(
+    values: list, *, to_host_arrays: bool = False, copy_local: bool = True
+) -> list:
     """`values` frozen without waiting for them to be computed.
 
     Device arrays are copied on their devices (one asynchronous dispatch of
@@ -176,7 +178,8 @@ def freeze(values: list, *, to_host_arrays: bool = False) -> list:
     With `to_host_arrays` (for a writer that needs the whole value on this
     process), a value with parts on other processes is gathered to host now
     (a collective), and a replicated one is taken from this process's
-    devices.
+    devices. Without `copy_local` (a process that only takes part in those
+    gathers: it writes nothing), the values on this process are not copied.
     """
     values = [v.value if isinstance(v, keras.Variable) else v for v in values]
     out = list(values)
@@ -193,6 +196,8 @@ def freeze(values: list, *, to_host_arrays: bool = False) -> list:
         for i, v in enumerate(values)
         if isinstance(v, jax.Array) and not isinstance(out[i], np.ndarray)
     ]
+    if not copy_local:
+        return out
     # One compiled copy per set of devices (a program runs on one set);
     # values kept in host memory (CentralStorageStrategy) go to NumPy.
     groups: dict = {}
@@ -288,10 +293,17 @@ def reusable(recorded: Snapshot) -> bool:
     )
 
 
-def snapshot(model, *, with_config: bool, recorded: Snapshot | None = None) -> Snapshot:
+def snapshot(
+    model,
+    *,
+    with_config: bool,
+    recorded: Snapshot | None = None,
+    copy_local: bool = True,
+) -> Snapshot:
     """The state `model.save_weights` (or `model.save`) would write, frozen.
 
     `recorded`: a `reusable` record of this model, to skip Keras's walk.
+    `copy_local=False`: only take part in the gathers (see `freeze`).
     """
     if recorded is None:
         recorded = record(model, with_config=with_config)

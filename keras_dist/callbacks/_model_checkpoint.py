@@ -289,8 +289,11 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 self._recorded = walk
         else:
             walk = self._recorded
-        # Every process: values split over processes are gathered.
-        snap = snapshot(self.model, with_config=with_config, recorded=walk)
+        # Every process: values split over processes are gathered (the
+        # others copy nothing: only the chief writes).
+        snap = snapshot(
+            self.model, with_config=with_config, recorded=walk, copy_local=is_chief()
+        )
         if not is_chief():
             snap.release()
             return
