@@ -11,8 +11,10 @@ model.fit(x, y, batch_size=64)    # global batch, split over the replicas
 """
 
 from keras_dist._backend import ensure_jax_backend as _ensure_jax_backend
+from keras_dist._backend import size_cpu_thread_pool as _size_cpu_thread_pool
 
 _ensure_jax_backend()
+_size_cpu_thread_pool()  # Several CPU devices: before JAX starts its client.
 
 from keras_dist import (  # noqa: E402
     _keras_compat,

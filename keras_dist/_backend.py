@@ -1,6 +1,7 @@
 """Make sure Keras runs on JAX before anything else is imported."""
 
 import os
+import re
 import sys
 
 
@@ -22,3 +23,64 @@ def ensure_jax_backend() -> None:
             "`KERAS_BACKEND=jax` in the environment (or import keras_dist "
             "before keras), e.g. `KERAS_BACKEND=jax python train.py`."
         )
+
+
+# XLA:CPU runs each program of several devices by scheduling one launch per
+# device on its client's thread pool, and a launch waits there (holding its
+# thread) while its device already has 32 programs in flight. The pool has
+# max(CPU cores, devices) threads and a collective needs one per device at
+# once: with 8 virtual devices on 2 cores, the launches of the next program
+# can hold the threads the running collective needs, and XLA aborts the
+# process 40 s later ("Expected 8 threads to join the rendezvous, but only 7
+# of them arrived"). One dispatching thread holds at most one launch per
+# device, so devices * 3 threads leave a whole collective's worth free with
+# a second dispatching thread too.
+THREADS_PER_CPU_DEVICE = 3
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def backend_started() -> bool:
+    """Whether JAX has started its backends (it then knows the cluster, if any)."""
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:
+        return False
+
+
+def cpu_devices_requested() -> int:
+    """The CPU devices JAX will make: `XLA_FLAGS` or `jax_num_cpu_devices`."""
+    import jax
+
+    configured = jax.config.jax_num_cpu_devices
+    if configured and configured > 0:
+        return int(configured)
+    found = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))
+    return int(found[-1]) if found else 1
+
+
+def cpu_client_threads(devices: int) -> int:
+    """The threads XLA:CPU's client pool gets for `devices` devices."""
+    for name in ("PJRT_NPROC", "NPROC"):  # Read by XLA when the client starts.
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return max(int(value), devices)
+    return max(len(os.sched_getaffinity(0)), devices)
+
+
+def size_cpu_thread_pool() -> None:
+    """Before JAX starts: enough client threads for several CPU devices.
+
+    Sets `PJRT_NPROC` (read by XLA when its CPU client starts) to
+    `THREADS_PER_CPU_DEVICE` threads a device, where fewer would start;
+    a value the user set (`PJRT_NPROC` or `NPROC`) is kept.
+    """
+    if "PJRT_NPROC" in os.environ or "NPROC" in os.environ:
+        return
+    if backend_started():
+        return
+    devices = cpu_devices_requested()
+    wanted = THREADS_PER_CPU_DEVICE * devices
+    if devices > 1 and cpu_client_threads(devices) < wanted:
+        os.environ["PJRT_NPROC"] = str(wanted)

@@ -6,6 +6,9 @@ _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 os.environ["KERAS_BACKEND"] = "jax"
+# jax starts below, before keras_dist is imported: give XLA:CPU's client the
+# threads keras_dist's import would (3 a device; keras_dist/_backend.py).
+os.environ.setdefault("PJRT_NPROC", "24")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # TF must not grab a GPU.
 # JAX's persistent compilation cache, shared by both xdist workers and every

@@ -17,7 +17,7 @@ CHECKED_JAX = "0.10"
 # cluster layer reads them before any device starts).
 JAX_PRIVATE: tuple = (
     ("jax._src.distributed", "global_state"),  # .client: cluster/_initialize, _sync
-    ("jax._src.xla_bridge", "_backends"),  # cluster/_initialize
+    ("jax._src.xla_bridge", "_backends"),  # _backend.backend_started
     ("jax._src.clusters", "ClusterEnv._cluster_types"),  # cluster/_environment
     ("jax._src.clusters.cloud_tpu_cluster", "GkeTpuCluster.is_env_present"),
     ("jax._src.clusters.cloud_tpu_cluster", "GceTpuCluster.get_process_count"),

@@ -6,6 +6,7 @@ import sys
 
 import jax
 
+from keras_dist._backend import backend_started, size_cpu_thread_pool
 from keras_dist.cluster._environment import check_address, resolve
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -19,16 +20,6 @@ _STATE: dict = {}
 def is_initialized() -> bool:
     """Whether this process has joined a multi-process JAX cluster."""
     return bool(_STATE.get("joined")) or jax.process_count() > 1
-
-
-def backend_started() -> bool:
-    """Whether JAX has started its backends (it then knows the cluster, if any)."""
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:
-        return False
 
 
 def _exit_fast_on_errors() -> None:
@@ -159,6 +150,7 @@ def initialize(
             "num_processes": resolver.num_processes,
             "process_id": resolver.process_id,
         }
+    size_cpu_thread_pool()  # Before the backend starts (jax_num_cpu_devices).
     try:
         jax.distributed.initialize(initialization_timeout=int(timeout), **kwargs)
     except Exception as error:  # JAX raises several types for this.

@@ -34,3 +34,4 @@ with kd.MirroredStrategy().scope():
     )
 history = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 print("DONE", history.history["loss"][-1], flush=True)
+print(f"PJRT_NPROC={os.environ.get('PJRT_NPROC')}", flush=True)

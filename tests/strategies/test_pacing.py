@@ -1,11 +1,15 @@
-"""Programs in flight on CPU devices are bounded (`strategies/devices/_placement.py`).
+"""Programs in flight on CPU devices (`strategies/devices/_placement.py`).
 
-XLA:CPU admits 32 programs in flight per device; when fast steps with an
-all-reduce fill that, it can deadlock and abort the process after 40 s. On
-this project's 2-core box, one epoch of 400 steps of a Flatten -> Dense
-model on 8 CPU devices (`pacing_script.py`) aborted 2 of 2 times with the
-pacer off (`unpaced`) and finished 4 of 4 times (7-8 s) with it on; the
-run here is the paced one, in its own process (an abort ends the process).
+XLA:CPU launches a program of several devices as one task per device on its
+client's thread pool, and a launch waits there while its device has 32
+programs in flight; with max(cores, devices) threads, a flood of programs
+can take the threads an all-reduce needs, and XLA aborts the process after
+40 s. On this project's 2-core box, one epoch of 400 steps of a Flatten ->
+Dense model on 8 CPU devices (`pacing_script.py`) with the pacer off
+(`unpaced`) aborted 3 of 3 times with the old pool of 8 threads and finished
+2 of 2 times with the 24 that `import keras_dist` now gives it
+(`keras_dist/_backend.size_cpu_thread_pool`). Each run here is in its own
+process (an abort ends the process).
 """
 
 import dataclasses
@@ -18,6 +22,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import keras_dist as kd
@@ -100,11 +105,69 @@ def test_custom_pytree_outputs_are_paced():
     assert len(pacer._in_flight) == 3
 
 
-def test_a_long_epoch_on_eight_cpu_devices_completes():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def _child_env() -> dict:
+    """This environment without the test set-up's XLA and thread settings."""
+    dropped = {"XLA_FLAGS", "PJRT_NPROC", "NPROC"}
+    return {k: v for k, v in os.environ.items() if k not in dropped}
+
+
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "unpaced"])
+def test_a_long_epoch_on_eight_cpu_devices_completes(paced):
+    """Unpaced, only the thread pool `import keras_dist` sizes keeps it alive."""
+    args = [sys.executable, str(SCRIPT), "400"] + ([] if paced else ["unpaced"])
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "400"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        args, env=_child_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "DONE" in result.stdout
+    assert _sized(24) in result.stdout  # What the import set.
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**_child_env(), **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+_REPORT = "import os; print('PJRT_NPROC=' + str(os.environ.get('PJRT_NPROC')))"
+_EIGHT = "--xla_force_host_platform_device_count=8"
+_CORES = len(os.sched_getaffinity(0))
+
+
+def _sized(threads: int) -> str:
+    """What the import sets for `threads` wanted on this machine's cores."""
+    return f"PJRT_NPROC={threads if threads > _CORES else None}"
+
+
+def test_import_sizes_the_cpu_thread_pool_before_jax_starts():
+    sized = _python(f"import keras_dist; {_REPORT}", XLA_FLAGS=_EIGHT)
+    assert _sized(24) in sized.stdout, sized.stderr[-2000:]
+    # The user's own value is kept; one device needs nothing.
+    kept = _python(f"import keras_dist; {_REPORT}", XLA_FLAGS=_EIGHT, PJRT_NPROC="9")
+    assert "PJRT_NPROC=9" in kept.stdout, kept.stderr[-2000:]
+    one = _python(f"import keras_dist; {_REPORT}")
+    assert "PJRT_NPROC=None" in one.stdout, one.stderr[-2000:]
+    # jax_num_cpu_devices, set after the import: read by cluster.initialize's
+    # sizing too (the same function), before JAX starts.
+    late = _python(
+        "import jax, keras_dist; from keras_dist import _backend; "
+        "jax.config.update('jax_num_cpu_devices', 4); "
+        f"_backend.size_cpu_thread_pool(); {_REPORT}"
+    )
+    assert _sized(12) in late.stdout, late.stderr[-2000:]
+
+
+def test_jax_started_with_too_few_threads_warns_with_the_fix():
+    started_first = _python(
+        "import warnings; warnings.simplefilter('always'); "
+        "import jax; jax.devices(); import keras_dist as kd; "
+        "kd.MirroredStrategy(); kd.MirroredStrategy()",
+        XLA_FLAGS=_EIGHT,
+        NPROC="8",  # As on a machine with 8 cores or fewer (XLA reads it).
+    )
+    assert started_first.returncode == 0, started_first.stderr[-2000:]
+    warning = started_first.stderr
+    assert warning.count("RuntimeWarning") == 1  # Once.
+    assert "for 8 CPU devices" in warning
+    assert "set PJRT_NPROC=24 in the environment" in warning

@@ -3,38 +3,44 @@
 `Placement` lays batches out over the mesh (one process or many); its
 `Pacer` bounds how many programs the host may dispatch ahead of the devices.
 
-**At most a few programs in flight on CPU devices (XLA:CPU collective
-deadlock).** JAX dispatches a program and returns before it runs; the host
-can run ahead of the devices. On CPU devices the XLA client admits at most
-32 programs in flight per device (a semaphore, taken when a device's part of
-a program is launched, on a thread pool). When a fast step with a collective
-(the gradients' all-reduce) fills it, a device's part of one step can wait
-for a slot while the other devices wait for it in the all-reduce: XLA then
-aborts the process ("Expected 8 threads to join the rendezvous, but only 7
-of them arrived"). It takes a few hundred steps of a small model, and a
-hand-written `jax.jit` loop hits it as Keras's loops do; a few programs in
-flight never do, and the bound costs no measurable time (the measurements:
-benchmarks/README.md, "Figures the code's design rests on" and "Pacing").
-An eager step (`run_eagerly=True`) dispatches many small programs and is
-paced as one: Keras's eager loop waits on its own results.
+**Enough threads, and a few programs in flight, on CPU devices (XLA:CPU
+collective deadlock).** JAX dispatches a program and returns before it
+runs. XLA:CPU launches a program of several devices as one task per device
+on its client's thread pool, and a launch waits there, holding its thread,
+while its device has 32 programs in flight. The pool has max(CPU cores,
+devices) threads and a collective (the gradients' all-reduce) needs one per
+device at once: with 8 virtual devices on 2 cores, the launches of the next
+program can hold the threads the running all-reduce needs, and XLA aborts
+the process 40 s later ("Expected 8 threads to join the rendezvous, but only
+7 of them arrived"). A flood of programs does it: a few hundred fast steps,
+or the many small programs of an eager step (`run_eagerly=True`), the
+sooner the more loaded the machine. Two guards:
 
-`Pacer.after(outputs)` is called with the outputs of each program the host
-dispatches every step (each step of Keras's loops, `strategy.run`,
-`reduce`, `gather`); on a strategy over more than one CPU device it then
-waits until the program `DEPTH` dispatches earlier has finished. On one
-device, GPUs and TPUs it does nothing. Waiting for a program that finished
-long ago costs microseconds, and `DEPTH` programs in flight are still far
-more than the host needs to stay ahead.
+- `keras_dist/_backend.size_cpu_thread_pool` gives the pool 3 threads a
+  device (`PJRT_NPROC`) when keras_dist is imported before JAX starts;
+  `Pacer` warns once when JAX started with fewer.
+- `Pacer.after(outputs)` is called with the outputs of each program the host
+  dispatches every step (each step of Keras's loops, `strategy.run`,
+  `reduce`, `gather`); on a strategy over more than one CPU device it then
+  waits until the program `DEPTH` dispatches earlier has finished, so the
+  host does not run far ahead of the devices (that only competes with their
+  threads for the cores). On one device, GPUs and TPUs it does nothing.
+  Waiting for a program that finished long ago costs microseconds.
+
+The measurements: benchmarks/README.md, "Figures the code's design rests
+on" and "Pacing".
 """
 
 import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_dist import _backend
 from keras_dist.data._input_context import InputOptions
 from keras_dist.data.host import _sparse
 
@@ -103,6 +109,8 @@ class Pacer:
         devices = list(devices)
         self.enabled = len(devices) > 1 and all(d.platform == "cpu" for d in devices)
         self._in_flight: collections.deque = collections.deque()
+        if self.enabled:
+            _warn_if_few_threads(devices)
 
     def after(self, outputs: Any) -> None:
         """`outputs` were just dispatched; waits for the program `DEPTH` back."""
@@ -116,6 +124,28 @@ class Pacer:
             oldest = self._in_flight.popleft()
             if not oldest.is_deleted():
                 oldest.block_until_ready()
+
+
+_WARNED: set = set()
+
+
+def _warn_if_few_threads(devices: list) -> None:
+    """Once per device count: JAX started with too few XLA:CPU threads."""
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    wanted = _backend.THREADS_PER_CPU_DEVICE * local
+    if local < 2 or local in _WARNED or _backend.cpu_client_threads(local) >= wanted:
+        return
+    _WARNED.add(local)
+    warnings.warn(
+        f"JAX started its CPU client with {_backend.cpu_client_threads(local)} "
+        f"threads for {local} CPU devices; XLA:CPU can then deadlock in a "
+        'collective and abort the process ("Expected N threads to join the '
+        'rendezvous"). Import keras_dist before anything starts JAX (it then '
+        f"sets PJRT_NPROC={wanted}), or set PJRT_NPROC={wanted} in the "
+        "environment.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _first_array(outputs: Any) -> jax.Array | None:
