@@ -53,28 +53,122 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_EXAMPLES = """examples:
+  keras-dist-run -n 2 train.py --epochs 3
+      2 processes of train.py (its arguments after the script's name)
+  keras-dist-run -n 2 --devices-per-process 4 train.py
+      each process sees 4 virtual CPU devices (8 in the cluster): try a
+      multi-host program on a laptop
+  keras-dist-run -n 4 --port 12345 train.py
+      the coordinator on 127.0.0.1:12345 instead of a free port
+  keras-dist-run -n 2 --preemption-grace 120 train.py
+      on Ctrl-C or SIGTERM the processes get 120 s to back up and exit
+  keras-dist-run -n 2 --evaluator train.py
+      one more process with TF_CONFIG task "evaluator" (SidecarEvaluator)
+"""
+
+
+def _version() -> str:
+    """keras-dist's installed version (no import of keras_dist: no JAX)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("keras-dist")
+    except metadata.PackageNotFoundError:  # A source tree on sys.path.
+        return "unknown (keras-dist is not installed)"
+
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number, received {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}. Received: {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    """A TCP port (1-65535) nothing listens on at 127.0.0.1 yet."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a TCP port number, received {text!r}"
+        ) from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"{port} is not a TCP port: use 1-65535, or leave --port out for a free one"
+        )
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As a server binds it: a port in TIME_WAIT is free, a listener not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            raise argparse.ArgumentTypeError(
+                f"127.0.0.1:{port} cannot be used ({error.strerror or error}): "
+                "pick another port, or leave --port out for a free one"
+            ) from None
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds, received {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {value:g}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-dist-run",
-        description="Start N local processes as one JAX cluster (loopback only).",
+        description="Start N local processes of a Python script as one JAX "
+        "cluster (loopback only),\nfor kd.MultiWorkerMirroredStrategy().",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s (keras-dist {_version()})"
+    )
+    parser.add_argument(
+        "-n",
+        "--num-processes",
+        type=_at_least(1),
+        required=True,
+        metavar="N",
+        help="how many processes to start (>= 1); each gets KERAS_DIST_PROCESS_ID "
+        "0..N-1",
+    )
     parser.add_argument(
         "--devices-per-process",
-        type=int,
+        type=_at_least(1),
         default=None,
+        metavar="D",
         help="virtual CPU devices per process (XLA_FLAGS); default: leave as is",
     )
     parser.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=None,
-        help="coordinator port on 127.0.0.1 (default: a free one)",
+        help="coordinator port on 127.0.0.1, checked free before any process "
+        "starts (default: a free one)",
     )
     parser.add_argument(
         "--preemption-grace",
-        type=float,
+        type=_seconds,
         default=60.0,
+        metavar="SECONDS",
         help="after forwarding SIGINT/SIGTERM, seconds the processes get to back "
         "up and exit before SIGKILL (default 60)",
     )
@@ -86,7 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument(
-        "args", nargs=argparse.REMAINDER, help="arguments passed to the script"
+        "args",
+        nargs=argparse.REMAINDER,
+        help="arguments passed to the script (everything after its name)",
     )
     return parser
 
@@ -226,15 +322,14 @@ def _how(code: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.num_processes < 1:
-        _parser().error(f"-n must be >= 1. Received: -n {args.num_processes}.")
-    if args.devices_per_process is not None and args.devices_per_process < 1:
-        _parser().error(
-            f"--devices-per-process must be >= 1. Received: {args.devices_per_process}."
-        )
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # Nothing at all: the whole help, examples included.
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if not os.path.exists(args.script):
-        _parser().error(f"script not found: {args.script!r}.")
+        parser.error(f"script not found: {args.script!r}.")
     cluster = _Cluster(args)
 
     def forward(signum, frame):

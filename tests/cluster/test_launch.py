@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+import keras_dist as kd
 from keras_dist.launch import free_port
 
 SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
@@ -91,6 +93,50 @@ def test_unreachable_coordinator_fails_within_the_timeout():
 
 def test_launcher_bad_arguments(tmp_path):
     result, _ = _launch("-n", "0", str(SCRIPT))
-    assert result.returncode == 2 and "-n must be >= 1" in result.stderr
+    assert result.returncode == 2
+    assert "argument -n/--num-processes: must be >= 1. Received: 0" in result.stderr
     result, _ = _launch("-n", "2", str(tmp_path / "missing.py"))
     assert result.returncode == 2 and "script not found" in result.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """keras-dist-run itself (the console script), quickly: it starts nothing."""
+    command = [sys.executable, "-m", "keras_dist_run", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def test_launcher_cli_first_day_mistakes(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    bare = _cli()  # No arguments: the whole help, with its examples.
+    assert bare.returncode == 2
+    assert "examples:" in bare.stderr and "keras-dist-run -n 2 train.py" in bare.stderr
+    assert "how many processes to start" in bare.stderr  # -n has help.
+    version = _cli("--version")
+    assert version.returncode == 0
+    assert version.stdout.strip() == f"keras-dist-run (keras-dist {kd.__version__})"
+    for args, message in [
+        (["--port", "99999"], "argument --port: 99999 is not a TCP port: use 1-65535"),
+        (["--port", "http"], "argument --port: expected a TCP port number"),
+        (["-n", "two"], "argument -n/--num-processes: expected a whole number"),
+        (["--devices-per-process", "0"], "--devices-per-process: must be >= 1"),
+        (["--preemption-grace", "-1"], "--preemption-grace: must be >= 0"),
+    ]:
+        result = _cli(*(["-n", "2"] if "-n" not in args else []), *args, str(script))
+        assert result.returncode == 2, args
+        assert message in result.stderr, (args, result.stderr)
+        assert "never run" not in result.stdout  # Refused before any process.
+
+
+def test_a_port_in_use_is_refused_before_any_process_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        result = _cli("-n", "2", "--port", str(port), str(script))
+    assert result.returncode == 2
+    assert f"argument --port: 127.0.0.1:{port} cannot be used" in result.stderr
+    assert "leave --port out for a free one" in result.stderr
+    assert "never run" not in result.stdout
