@@ -9,19 +9,32 @@ def ensure_jax_backend() -> None:
     """Selects the JAX backend if Keras is not loaded yet; fails if it is not JAX.
 
     Raises:
-        ImportError: if Keras was already imported with another backend.
+        ImportError: if `KERAS_BACKEND` names another backend, or Keras was
+            already imported with one.
     """
+    requested = os.environ.get("KERAS_BACKEND", "").strip()
+    if requested and requested != "jax":
+        # Before Keras imports that backend (a ModuleNotFoundError of
+        # tensorflow or torch otherwise, or Keras on the wrong backend).
+        raise ImportError(
+            "keras_dist runs Keras on the JAX backend, but the environment "
+            f"sets KERAS_BACKEND={requested!r}. Unset it or set it to jax: "
+            "`KERAS_BACKEND=jax python train.py`, or in a notebook "
+            "`os.environ['KERAS_BACKEND'] = 'jax'` before the first "
+            "`import keras` (restart the kernel if Keras is loaded already)."
+        )
     if "keras" not in sys.modules:
-        os.environ.setdefault("KERAS_BACKEND", "jax")
+        os.environ["KERAS_BACKEND"] = "jax"  # Over ~/.keras/keras.json's.
     import keras
 
     backend = keras.backend.backend()
     if backend != "jax":
         raise ImportError(
-            "keras_dist runs Keras on the JAX backend, but Keras was loaded "
-            f"with another one. Received: backend={backend!r}. Set "
-            "`KERAS_BACKEND=jax` in the environment (or import keras_dist "
-            "before keras), e.g. `KERAS_BACKEND=jax python train.py`."
+            "keras_dist runs Keras on the JAX backend, but Keras was imported "
+            f"before keras_dist with backend={backend!r} (from "
+            "~/.keras/keras.json or KERAS_BACKEND at that time). Import "
+            "keras_dist before keras, or set KERAS_BACKEND=jax in the "
+            "environment, e.g. `KERAS_BACKEND=jax python train.py`."
         )
 
 

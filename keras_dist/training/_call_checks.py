@@ -11,6 +11,8 @@ worked is never refused):
 - no rows (`x` of length 0 or a `tf.data` dataset of cardinality 0: a bare
   `StopIteration`, or `UnboundLocalError` from `predict`); empty passes of
   other inputs are refused by the input pipeline under a strategy;
+- a `tf.data` dataset of single examples (a scalar component, or components
+  whose first dimensions differ: Keras fails on the first element's shape);
 - no targets for a loss that needs them, and sparse labels outside the
   model's output (`data/checks/_batch_checks.py`); `class_weight` keys that are no
   class of the output. The returned batch check carries the targets checks
@@ -31,7 +33,11 @@ from keras_dist.data.checks._batch_checks import (
     needs_targets,
     sparse_labels,
 )
-from keras_dist.data.host._tf_data import cardinality, is_tf_dataset
+from keras_dist.data.host._tf_data import (
+    cardinality,
+    is_tf_dataset,
+    unbatched_reason,
+)
 
 __all__ = ["check_call"]
 
@@ -71,11 +77,13 @@ def check_call(
     x = arguments.get("x")
     if method != "predict_on_batch":  # Keras returns [] there, as it should.
         _check_not_empty(x, "x")
+        _check_batched(x, "x", method)
         validation = arguments.get("validation_data")
         if isinstance(validation, (tuple, list)) and validation:
             _check_not_empty(validation[0], "validation_data")
         else:
             _check_not_empty(validation, "validation_data")
+            _check_batched(validation, "validation_data", method)
     if method not in _HAS_TARGETS:
         return None
     return _check_targets(method, model, x, arguments)
@@ -121,6 +129,25 @@ def _check_not_empty(value: Any, name: str) -> None:
             f"Received: {name}={value!r} (cardinality 0). Check how it was "
             "built (e.g. `take(0)`, a `skip` past its end, or `batch(n, "
             "drop_remainder=True)` with fewer than n examples)."
+        )
+
+
+def _check_batched(value: Any, name: str, method: str) -> None:
+    """A `tf.data` dataset of single examples (no `.batch`): said so.
+
+    Keras reads its elements as batches and fails on the first with the
+    shape of one example (under a strategy: padded to the replicas).
+    """
+    if not is_tf_dataset(value):
+        return
+    reason = unbatched_reason(value)
+    if reason is not None:
+        raise ValueError(
+            f"`{name}` looks unbatched: `{method}` reads a tf.data dataset's "
+            f"elements as batches, but {reason}. Received: {name} with "
+            f"element_spec={value.element_spec}. Batch it: "
+            "`dataset.batch(GLOBAL_BATCH_SIZE)` (under a strategy, the global "
+            "batch: it is split over the replicas)."
         )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "is_tf_dataset",
     "rows_or_batches",
     "scalar_component",
+    "unbatched_reason",
 ]
 
 _MAX_NODES = 256  # Walk no further into a dataset graph: "unknown".
@@ -48,6 +49,33 @@ def scalar_component(dataset):
     for spec in tf.nest.flatten(dataset.element_spec):
         if getattr(spec, "shape", None) is not None and spec.shape.rank == 0:
             return spec
+    return None
+
+
+def unbatched_reason(dataset) -> str | None:
+    """Why `dataset`'s elements cannot be batches, or None (they may be).
+
+    A batch has no scalar component, and its components share their first
+    dimension (the batch); a `from_tensor_slices` of arrays of batches is
+    batches, so nothing else is told apart.
+    """
+    import tensorflow as tf
+
+    scalar = scalar_component(dataset)
+    if scalar is not None:
+        return f"a component is a scalar ({scalar}), and a batch has a batch dimension"
+    firsts = set()
+    for spec in tf.nest.flatten(dataset.element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None or shape[0] is None:
+            return None
+        firsts.add(int(shape[0]))
+    if len(firsts) > 1:
+        sizes = ", ".join(map(str, sorted(firsts)))
+        return (
+            f"its components' first dimensions differ ({sizes}), and the "
+            "components of a batch share theirs (the batch)"
+        )
     return None
 
 
