@@ -24,6 +24,7 @@ from _runs import force_host_devices, print_result
 
 CONFIG, SIZE, LAYOUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, EVERY, DIRECTORY = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+# Under keras-dist-run (`--processes 2`): its XLA_FLAGS give 4 devices each.
 PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "jax"
 
@@ -149,25 +150,41 @@ def callback(blocked: list):
     return cb
 
 
+def _local_parts(value) -> list:
+    """This process's distinct parts of `value` (one per index: a replicated
+    value once)."""
+    parts = {}
+    for shard in value.addressable_shards:
+        parts.setdefault(str(shard.index), shard.data)
+    return list(parts.values())
+
+
 def host_copy_seconds(model) -> float:
-    """Device -> host copy of the whole state: every copy started, then awaited."""
+    """Device -> host copy of the state this process holds (the whole state
+    with one process): every copy started, then awaited."""
     best = float("inf")
     for _ in range(3):
         values = [v.value for v in model.variables + model.optimizer.variables]
+        parts = [p for v in values for p in _local_parts(v)]
         start = time.perf_counter()
-        for v in values:
-            v.copy_to_host_async()
-        _ = [np.array(v, copy=True) for v in values]
+        for part in parts:
+            part.copy_to_host_async()
+        _ = [np.array(part, copy=True) for part in parts]
         best = min(best, time.perf_counter() - start)
     return best
 
 
+def make_strategy() -> kd.Strategy:
+    """MirroredStrategy; MultiWorkerMirroredStrategy under keras-dist-run."""
+    shard = LAYOUT == "fsdp"
+    if "KERAS_DIST_PROCESS_ID" in os.environ:
+        return kd.MultiWorkerMirroredStrategy(shard_variables=shard)
+    return kd.MirroredStrategy(jax.devices(), shard_variables=shard)
+
+
 def main():
+    strategy = make_strategy()
     devices = jax.devices()
-    if LAYOUT == "fsdp":
-        strategy = kd.MirroredStrategy(devices, shard_variables=True)
-    else:
-        strategy = kd.MirroredStrategy(devices)
     keras.utils.set_random_seed(0)
     with strategy.scope():
         layers = [keras.Input((WIDTH,))]
@@ -209,6 +226,8 @@ def main():
             "layout": LAYOUT,
             "platform": PLATFORM,
             "devices": len(devices),
+            "processes": jax.process_count(),
+            "rank": jax.process_index(),
             "params": int(model.count_params()),
             "state_mb": state / 2**20,
             "steps": STEPS,

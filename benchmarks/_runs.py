@@ -40,14 +40,26 @@ def print_result(result: dict) -> None:
 
 
 def run_worker(
-    script, args: list, *, timeout: float, platform_name: str, ident: dict
+    script,
+    args: list,
+    *,
+    timeout: float,
+    platform_name: str,
+    ident: dict,
+    processes: int = 1,
+    devices: int = 8,
 ) -> dict:
     """Runs `script args` in a fresh process; its RESULT, or `ident` + error.
 
     The row gets the median, min and max of its `ms_per_step`, and the
     median of its `host_cpu_ms_per_step` (when the worker measures it).
+    With `processes` > 1 it runs under keras-dist-run (`devices` split over
+    them); the row is process 0's, with every process's row in `ranks`.
     """
     command = [sys.executable, str(script), *(str(a) for a in args)]
+    if processes > 1:
+        command[1:1] = ["-m", "keras_dist.launch", "-n", str(processes)]
+        command[5:5] = ["--devices-per-process", str(devices // processes)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[PLATFORM_ENV] = platform_name
     try:
@@ -56,10 +68,14 @@ def run_worker(
         )
     except subprocess.TimeoutExpired:
         return {**ident, "error": "timeout"}
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode or not lines:
+    lines = done.stdout.splitlines()
+    found = [re.match(r"(?:\[(\d+)\] )?RESULT (.*)", x) for x in lines]
+    results = {int(m[1] or 0): json.loads(m[2]) for m in found if m}
+    if done.returncode or 0 not in results:
         return {**ident, "error": failure(done.stderr or done.stdout)}
-    row = json.loads(lines[-1][len("RESULT ") :])
+    row = results[0]
+    if processes > 1:
+        row["ranks"] = [dict(results[r]) for r in sorted(results)]  # Copies.
     times = row["ms_per_step"]
     row["ms_median"] = statistics.median(times)
     row["ms_min"], row["ms_max"] = min(times), max(times)

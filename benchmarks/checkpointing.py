@@ -26,6 +26,7 @@ keras_dist configurations. Writes `checkpointing.{json,md,png}` to `--out`.
     python benchmarks/checkpointing.py --quick        # ~100 MB only: ~8 min CPU
     python benchmarks/checkpointing.py                # + ~1 GB
     python benchmarks/checkpointing.py --platform gpu --layouts mirrored
+    python benchmarks/checkpointing.py --processes 2 --sizes 1gb --layouts fsdp
 """
 
 import argparse
@@ -59,6 +60,13 @@ def _parser():
     p.add_argument("--steps", type=int, default=40, help="timed steps per run")
     p.add_argument("--every", type=int, default=10, help="save every N steps")
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="2: a 2-process cluster (keras-dist-run, 4 CPU devices each; "
+        "MultiWorkerMirroredStrategy), each process's peak RSS reported",
+    )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     return p
@@ -88,6 +96,11 @@ def analyse(rows: list) -> list:
             None,
         )
         row["slowdown"] = row["ms_median"] / base["ms_median"] if base else None
+        if base and row.get("ranks") and base.get("ranks"):
+            row["save_rss_mb"] = [
+                mine["extra_rss_mb"] - theirs["extra_rss_mb"]
+                for mine, theirs in zip(row["ranks"], base["ranks"], strict=True)
+            ]
         if row["config"] not in ASYNC:
             continue
         name = f"{row['config']} {row['size']} {row['layout']}"
@@ -137,6 +150,29 @@ def markdown(payload: dict) -> str:
             f"{r['host_copy_ms']:.1f} | "
             f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} |"
         )
+    several = [r for r in payload["rows"] if "error" not in r and r.get("ranks")]
+    if several:
+        out += [
+            "",
+            "Each process's peak RSS above its RSS before the timed fit, and "
+            "that less the same process's without saving (the saves' host "
+            "memory), against its share of the state (state / processes):",
+            "",
+            "| size | layout | config | share MB | extra RSS MB, process 0 / 1 "
+            "| saves' host memory MB, process 0 / 1 |",
+            "|---|---|---|---:|---:|---:|",
+        ]
+        for r in several:
+            extra = [x["extra_rss_mb"] for x in r["ranks"]]
+            saves = r.get("save_rss_mb")
+            out.append(
+                f"| {r['size']} | {r['layout']} | {r['config']} | "
+                f"{r['state_mb'] / len(r['ranks']):.0f} | "
+                + " / ".join(f"{x:.0f}" for x in extra)
+                + " | "
+                + (" / ".join(f"{x:.0f}" for x in saves) if saves else "")
+                + " |"
+            )
     out += targets_table(payload["targets"])
     return "\n".join(out) + "\n"
 
@@ -174,6 +210,7 @@ def main():
                         timeout=args.timeout,
                         platform_name=args.platform,
                         ident={"config": config, "size": size, "layout": layout},
+                        processes=args.processes,
                     )
                 print(
                     f"{size} {layout} {config}: "
@@ -200,6 +237,8 @@ def main():
     stem = (
         "checkpointing" if args.platform == "cpu" else f"checkpointing_{args.platform}"
     )
+    if args.processes > 1:
+        stem += f"_{args.processes}processes"
     write_results(args.out, stem, payload, markdown, plot)
     for t in targets:
         print(("PASS " if t["pass"] else "MISS ") + t["target"])

@@ -34,7 +34,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     )
     assert "last batch of each epoch: 13 images" in out
     # 11 steps per epoch; SIGTERM after step 14, saved at the next boundary (15).
-    assert "preempted (SIGTERM); saved epoch 1 step 4" in out
+    assert "preempted (SIGTERM); saved at epoch 2, step 4" in out
     assert "resuming at epoch 2, step 4" in out
     for epoch in (1, 2, 3):
         assert f"Learning rate for epoch {epoch} is 0.003" in out

@@ -149,9 +149,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._store.wait()  # On disk before the process exits.
             if is_chief():
                 print(
-                    f"\nBackupAndRestore: preempted (SIGTERM); saved epoch "
-                    f"{self._epoch} step {self._step_in_epoch} to {self.backup_dir}; "
-                    "exiting.",
+                    # Epochs counted from 1, as Keras's progress bar and
+                    # "resuming at epoch E, step S" count them.
+                    f"\nBackupAndRestore: preempted (SIGTERM); saved at epoch "
+                    f"{self._epoch + 1}, step {self._step_in_epoch} to "
+                    f"{self.backup_dir}; exiting.",
                     flush=True,
                 )
             self._uninstall_sigterm_handler()

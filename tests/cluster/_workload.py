@@ -280,3 +280,28 @@ def backup_run(
         inputs = _stepped_input(kind, x, y, sw)
     model.fit(epochs=3, callbacks=callbacks, shuffle=False, verbose=0, **inputs)
     return _listed(model.get_weights())
+
+
+def kill_trial_run(strategy, workdir: str) -> list:
+    """12 shuffled epochs of 7 steps, a backup and an async checkpoint each step.
+
+    `workdir/backup` holds the backups, `workdir/ckpts` the `.weights.h5`
+    files (`tests/cluster/test_kill_trials.py`).
+    """
+    x, y, sw = make_data(N_TRAIN)
+    model = build_in_scope(strategy, initial_weights())
+    callbacks = [
+        kd.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=1),
+        kd.callbacks.ModelCheckpoint(
+            os.path.join(workdir, "ckpts", "ckpt_{epoch}_{batch}.weights.h5"),
+            save_weights_only=True,
+            save_freq=1,
+            max_to_keep=3,
+        ),
+        _PrintSteps(),
+    ]
+    model.fit(
+        x, y, sample_weight=sw, batch_size=BATCH, epochs=12, shuffle=True,
+        callbacks=callbacks, verbose=0,
+    )  # fmt: skip
+    return _listed(model.get_weights())

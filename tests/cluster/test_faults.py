@@ -40,7 +40,8 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
     assert second.returncode == 128 + signal.SIGTERM, second.stderr[-3000:]
     assert "[0] BackupAndRestore: resuming at epoch 2, step 3" in second.stdout
     saved = re.search(
-        r"\[0\] BackupAndRestore: preempted \(SIGTERM\); saved epoch (\d) step (\d)",
+        r"\[0\] BackupAndRestore: preempted \(SIGTERM\); "
+        r"saved at epoch (\d), step (\d)",
         second.stdout,
     )
     assert saved, second.stdout[-3000:]
@@ -48,10 +49,10 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
     # Once more: resumes after the preemption and finishes.
     third = launch(HERE / "fault_script.py", tmp_path, env=env)
     assert third.returncode == 0, third.stderr[-3000:]
-    epoch, step = int(saved[1]), int(saved[2])  # 0-based epoch, steps done in it.
+    epoch, step = int(saved[1]), int(saved[2])  # Epochs from 1; steps done in it.
     if step == 7:  # The end of an epoch resumes at the next one.
         epoch, step = epoch + 1, 0
-    assert f"[0] BackupAndRestore: resuming at epoch {epoch + 1}, step {step}" in (
+    assert f"[0] BackupAndRestore: resuming at epoch {epoch}, step {step}" in (
         third.stdout
     )
     expected = _workload.backup_run(

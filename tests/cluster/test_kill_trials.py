@@ -1,0 +1,98 @@
+"""SIGKILL at random moments of a 2-process run that saves every step.
+
+A chain of 20 trials on one work directory: each launch of `kill_script.py`
+(2 processes x 4 CPU devices) resumes from the newest committed backup, runs
+until it has committed a newer one, and one of its processes (chosen at
+random) is SIGKILLed a random 0-0.3 s later, in the middle of the next saves
+(`keras-dist-run` then stops the other). After each kill the newest indexed
+`.weights.h5` is never a temporary file and loads; the last launch runs to
+the end, and its weights equal an uninterrupted 2-process run's bit for bit.
+The one-process trials: tests/callbacks/test_backup_and_restore.py.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import keras_dist as kd
+from tests._helpers import make_model
+from tests.cluster.test_multi_worker import HERE, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.kill_trials]
+
+SCRIPT = HERE / "kill_script.py"
+TRIALS = 20
+
+
+def _committed(backup) -> int:
+    """The newest committed backup step (Orbax's step directories), or -1."""
+    if not backup.exists():
+        return -1
+    return max((int(n) for n in os.listdir(backup) if n.isdigit()), default=-1)
+
+
+def _start(workdir):
+    command = [sys.executable, "-m", "keras_dist.launch", "-n", "2"]
+    command += ["--devices-per-process", "4", str(SCRIPT), str(workdir)]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.05")
+    return subprocess.Popen(
+        command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def _kill_one_trial(workdir, draw: random.Random) -> int:
+    """Launches, waits for a newer committed backup, SIGKILLs a random rank."""
+    backup = workdir / "backup"
+    before = _committed(backup)
+    for rank in (0, 1):
+        (workdir / f"pid_{rank}").unlink(missing_ok=True)
+    launcher = _start(workdir)
+    try:
+        deadline = time.monotonic() + 180
+        while _committed(backup) <= before or not all(
+            (workdir / f"pid_{r}").exists() for r in (0, 1)
+        ):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no newer backup within 180 s"
+            time.sleep(0.01)
+        time.sleep(draw.uniform(0.0, 0.3))  # A save every step: mid-save, often.
+        victim = int((workdir / f"pid_{draw.randrange(2)}").read_text())
+        os.kill(victim, signal.SIGKILL)  # A process this test's launcher started.
+    finally:
+        _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    return _committed(backup)
+
+
+def test_twenty_random_kills_then_the_run_ends_bit_identical(tmp_path):
+    (tmp_path / "reference").mkdir()
+    reference = launch(SCRIPT, tmp_path / "reference", env={"KD_STEP_SECONDS": "0"})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = json.loads((tmp_path / "reference" / "weights_0.json").read_text())
+
+    workdir, draw, steps = tmp_path / "killed", random.Random(29), []
+    workdir.mkdir()
+    for _ in range(TRIALS):
+        steps.append(_kill_one_trial(workdir, draw))
+        latest = kd.callbacks.latest_checkpoint(workdir / "ckpts")
+        assert latest is not None
+        assert not os.path.basename(latest).startswith(".tmp-")
+        make_model().load_weights(latest)  # Complete: it loads.
+    assert steps == sorted(steps) and steps[-1] < 84, steps  # Killed before the end.
+
+    final = launch(SCRIPT, workdir)
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert "BackupAndRestore: resuming at epoch" in final.stdout
+    for rank in (0, 1):
+        weights = json.loads((workdir / f"weights_{rank}.json").read_text())
+        for got, want in zip(weights, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
