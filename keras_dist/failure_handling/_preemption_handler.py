@@ -36,8 +36,9 @@ class _ModelState:
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        # Synchronous: it saves right before the process exits (an
-        # asynchronous handler is issue 29's next step).
+        # Synchronous: it saves right before the process exits, which must
+        # wait for the files anyway (with a grace period, its first save
+        # waits too: a few runs of training are not worth a second road).
         self._store = BackupStore(directory, async_save=False)
 
     # What `BackupStore` reads of a model.
