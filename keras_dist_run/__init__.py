@@ -78,16 +78,20 @@ def _version() -> str:
         return "unknown (keras-dist is not installed)"
 
 
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
+def _number(convert, what: str, minimum: float):
+    """An argparse type: `convert(text)`, at least `minimum`."""
+
+    def parse(text: str):
         try:
-            value = int(text)
+            value = convert(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a whole number, received {text!r}"
+                f"expected {what}, received {text!r}"
             ) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}. Received: {value}")
+            raise argparse.ArgumentTypeError(
+                f"must be >= {minimum:g}. Received: {value:g}"
+            )
         return value
 
     return parse
@@ -118,18 +122,6 @@ def _port(text: str) -> int:
     return port
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected seconds, received {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0. Received: {value:g}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-dist-run",
@@ -144,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-n",
         "--num-processes",
-        type=_at_least(1),
+        type=_number(int, "a whole number", 1),
         required=True,
         metavar="N",
         help="how many processes to start (>= 1); each gets KERAS_DIST_PROCESS_ID "
@@ -152,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--devices-per-process",
-        type=_at_least(1),
+        type=_number(int, "a whole number", 1),
         default=None,
         metavar="D",
         help="virtual CPU devices per process (XLA_FLAGS); default: leave as is",
@@ -166,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--preemption-grace",
-        type=_seconds,
+        type=_number(float, "seconds", 0),
         default=60.0,
         metavar="SECONDS",
         help="after forwarding SIGINT/SIGTERM, seconds the processes get to back "
