@@ -73,13 +73,20 @@ def cpu_devices_requested() -> int:
     return int(found[-1]) if found else 1
 
 
+def available_cores() -> int:
+    """The cores this process may use (XLA's default pool size)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS, Windows.
+
+
 def cpu_client_threads(devices: int) -> int:
     """The threads XLA:CPU's client pool gets for `devices` devices."""
     for name in ("PJRT_NPROC", "NPROC"):  # Read by XLA when the client starts.
         value = os.environ.get(name, "")
         if value.strip().isdigit():
             return max(int(value), devices)
-    return max(len(os.sched_getaffinity(0)), devices)
+    return max(available_cores(), devices)
 
 
 def size_cpu_thread_pool() -> None:

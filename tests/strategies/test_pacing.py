@@ -26,6 +26,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import keras_dist as kd
+from keras_dist import _backend
 from keras_dist.strategies.devices._placement import DEPTH, Pacer
 
 SCRIPT = pathlib.Path(__file__).with_name("pacing_script.py")
@@ -132,7 +133,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 _REPORT = "import os; print('PJRT_NPROC=' + str(os.environ.get('PJRT_NPROC')))"
 _EIGHT = "--xla_force_host_platform_device_count=8"
-_CORES = len(os.sched_getaffinity(0))
+_CORES = _backend.available_cores()
 
 
 def _sized(threads: int) -> str:
