@@ -23,8 +23,8 @@ __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
 
 def compute_average_loss(
-    per_example_loss,
-    sample_weight=None,
+    per_example_loss: "jax.typing.ArrayLike",
+    sample_weight: "jax.typing.ArrayLike | None" = None,
     global_batch_size: int | None = None,
 ) -> jax.Array:
     """Sum of the replica's per-example losses divided by the global batch size.
@@ -108,7 +108,7 @@ def compute_average_loss(
     return loss.sum() / jnp.asarray(global_batch_size, loss.dtype)
 
 
-def scale_regularization_loss(regularization_loss) -> jax.Array:
+def scale_regularization_loss(regularization_loss: "jax.typing.ArrayLike") -> jax.Array:
     """Divides a loss every replica adds in full by the number of replicas.
 
     Like `tf.nn.scale_regularization_loss`: inside `strategy.run`, returns

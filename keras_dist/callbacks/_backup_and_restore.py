@@ -82,7 +82,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def __init__(
         self,
-        backup_dir,
+        backup_dir: "str | os.PathLike",
         *,
         save_freq: "str | int" = "epoch",
         delete_checkpoint: bool = True,
@@ -117,7 +117,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # Life cycle ---------------------------------------------------------
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self._store = BackupStore(self.backup_dir, async_save=self.async_save)
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         call = _call.active()
@@ -128,7 +128,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._release)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         if self._resumed_metrics is not None:  # fit reset them; put them back.
             for v, value in zip(
@@ -140,7 +140,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._step_in_epoch = 0
         self._saved_step = self._step_in_epoch
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # `batch` is the last step of the execution (`steps_per_execution`).
         self._step_in_epoch = batch + 1
         self._store.check()  # A background write that failed raises here.
@@ -172,10 +172,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             return epoch + 1, 0
         return epoch, step
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._save(epoch + 1, 0)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         self._release()
         if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)

@@ -4,8 +4,12 @@
 import json
 import os
 import warnings
+from typing import TYPE_CHECKING
 
 from keras_dist.callbacks._sharded_checkpoints import restore_sharded
+
+if TYPE_CHECKING:
+    import keras
 
 __all__ = ["STATE_FILE", "SUFFIXES", "latest_checkpoint", "load_checkpoint"]
 
@@ -47,7 +51,7 @@ def _orbax_steps(directory: str) -> list[int]:
     ]
 
 
-def latest_checkpoint(directory) -> str | None:
+def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     """The newest checkpoint in `directory`, or None if there is none.
 
     For a directory of Orbax checkpoints (`ModelCheckpoint(sharded=True)`,
@@ -84,7 +88,7 @@ def latest_checkpoint(directory) -> str | None:
     return max(candidates, key=lambda p: (os.path.getmtime(p), p))
 
 
-def load_checkpoint(model, path) -> None:
+def load_checkpoint(model: "keras.Model", path: "str | os.PathLike") -> None:
     """Loads a checkpoint `ModelCheckpoint` (or Keras) wrote into `model`.
 
     A `.weights.h5` / `.keras` file loads as `model.load_weights` loads it.

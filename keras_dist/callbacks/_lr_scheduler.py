@@ -1,6 +1,8 @@
 """`LearningRateScheduler`: per-epoch or per-step schedules, no recompiles."""
 
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +67,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         ValueError: if `per` is not "epoch" or "step".
     """
 
-    def __init__(self, schedule, *, per: str = "epoch", verbose: int = 0):
+    def __init__(
+        self, schedule: "Callable[..., Any]", *, per: str = "epoch", verbose: int = 0
+    ):
         super().__init__()
         if not callable(schedule):
             raise TypeError(
@@ -84,20 +88,20 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self._checked_to = None  # Checked below this step (unknown epoch length).
         self._bad = None  # The first bad (step, rate) found ahead.
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         control = controlled(self.model)
         if self._in_step:
             check_rate(self.schedule(0), what="`schedule` at step 0")
             control.step_fn = lambda step: jnp.asarray(self.schedule(step), "float32")
             self.model.make_train_function(force=True)
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         if self.per == "epoch":
             self._set(epoch, f"epoch {epoch}")
         elif self._in_step:
             self._check_epoch_steps()
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._in_step:
             if self._checked_to is not None:  # Unknown epoch length.
                 # `batch` counts steps: this batch runs steps_per_execution.
@@ -155,11 +159,11 @@ class LearningRateScheduler(keras.callbacks.Callback):
                 f"rate to {np.float32(rate)}."
             )
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is not None:
             logs["learning_rate"] = current_learning_rate(self.model.optimizer)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         release(self.model)  # The last rate stays, as a plain variable.
 
 

@@ -105,7 +105,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def __init__(
         self,
-        filepath,
+        filepath: "str | os.PathLike",
         *,
         max_to_keep: int | None = None,
         keep_period: int | None = None,
@@ -176,7 +176,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._last_save = time.monotonic()
         self._recorded = None
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
         if not self.sharded:
             check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
@@ -196,17 +196,17 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             call.on_close(self._finish)
         self._write_index(done=False)
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         super().on_train_batch_end(batch, logs)
         self._check()  # A background write that failed raises here.
         if self.save_interval_seconds is not None and self._interval_passed():
             self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_end(epoch, logs)
         self._check()
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         super().on_train_end(logs)
         self._finish()
         # The marker `kd.callbacks.SidecarEvaluator` stops on.

@@ -25,7 +25,7 @@ class PrintLR(keras.callbacks.Callback):
     ```
     """
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         rate = current_learning_rate(self.model.optimizer)
         if logs is not None:
             logs["learning_rate"] = rate

@@ -4,6 +4,7 @@ import os
 import shutil
 import sys
 import time
+from typing import Any
 
 import keras
 
@@ -87,8 +88,8 @@ class SidecarEvaluator:
     def __init__(
         self,
         model: keras.Model,
-        data,
-        checkpoint_dir,
+        data: Any,
+        checkpoint_dir: "str | os.PathLike",
         steps: int | None = None,
         max_evaluations: int | None = None,
         callbacks: list | None = None,

@@ -92,7 +92,7 @@ class LearningRateWarmup(keras.callbacks.Callback):
             k = batch / self.base_batch_size
         return k if self.scale == "linear" else math.sqrt(k)
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self.target_lr = self.base_lr * self._factor()
         steps = self.params.get("steps")
         if not steps:
@@ -105,5 +105,5 @@ class LearningRateWarmup(keras.callbacks.Callback):
         control.warmup = (self.base_lr, self.target_lr, int(self.warmup_epochs * steps))
         self.model.make_train_function(force=True)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         release(self.model)  # The last rate stays, as a plain variable.

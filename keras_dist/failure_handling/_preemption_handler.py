@@ -5,6 +5,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import keras
@@ -17,6 +18,9 @@ from keras_dist.callbacks._files import check_writable_dir
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import resolve
 from keras_dist.failure_handling._termination_config import TerminationConfig
+
+if TYPE_CHECKING:
+    from keras_dist.cluster import ClusterResolver
 
 __all__ = ["PreemptionCheckpointHandler"]
 
@@ -140,9 +144,9 @@ class PreemptionCheckpointHandler:
 
     def __init__(
         self,
-        cluster_resolver,
-        checkpoint_or_manager,
-        checkpoint_dir=None,
+        cluster_resolver: "ClusterResolver | None",
+        checkpoint_or_manager: "keras.Model | Any",
+        checkpoint_dir: "str | os.PathLike | None" = None,
         termination_config: TerminationConfig | None = None,
     ):
         self.cluster_resolver = resolve(cluster_resolver)
@@ -186,7 +190,9 @@ class PreemptionCheckpointHandler:
         """How many times `run` was called, including before a restart."""
         return self._run_counter
 
-    def run(self, distributed_train_function: Callable, *args, **kwargs):
+    def run(
+        self, distributed_train_function: Callable, *args: Any, **kwargs: Any
+    ) -> Any:
         """Calls `distributed_train_function(*args, **kwargs)`; saves if preempted.
 
         Returns:

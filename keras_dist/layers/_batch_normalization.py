@@ -1,5 +1,7 @@
 """`BatchNormalization`: Keras's layer with per-replica statistics (tf Mirrored)."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -109,7 +111,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         super().__init__(axis=axis, momentum=momentum, epsilon=epsilon, **kwargs)
         self.synchronized = synchronized
 
-    def call(self, inputs, training=None, mask=None):
+    def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         context = in_replica_context()

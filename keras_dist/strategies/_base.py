@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import keras
@@ -21,6 +21,9 @@ from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership
 from keras_dist.strategies.state._memory_report import MemoryReport, memory_report
 from keras_dist.strategies.state._state_layout import StateLayout
+
+if TYPE_CHECKING:
+    from keras_dist.data._distributed_dataset import DistributedDataset
 
 __all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
 
@@ -133,7 +136,9 @@ class Strategy(keras.distribution.DataParallel):
         """Whether the mesh has devices of several processes."""
         return self.placement.spans_processes
 
-    def get_variable_layout(self, variable) -> keras.distribution.TensorLayout:
+    def get_variable_layout(
+        self, variable: keras.Variable
+    ) -> keras.distribution.TensorLayout:
         """Keras's hook: the layout each new variable is created with.
 
         The `state_layout`'s. With several processes, each new variable is
@@ -291,7 +296,9 @@ class Strategy(keras.distribution.DataParallel):
         """
         return _run.run(self, fn, args, kwargs, cache=self._run_cache)
 
-    def reduce(self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None):
+    def reduce(
+        self, reduce_op: "ReduceOp | str", value: Any, axis: int | None = None
+    ) -> jax.Array:
         """Combines the replicas' values into one (outside `run`).
 
         Args:
@@ -322,7 +329,9 @@ class Strategy(keras.distribution.DataParallel):
 
     # Distributed input ------------------------------------------------------
 
-    def experimental_distribute_dataset(self, dataset: Any, options=None):
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> "DistributedDataset":
         """Splits each global batch of `dataset` over the replicas.
 
         Example:
@@ -350,7 +359,9 @@ class Strategy(keras.distribution.DataParallel):
         """
         return _distributed_dataset.distribute_dataset(self.placement, dataset, options)
 
-    def distribute_datasets_from_function(self, dataset_fn: Callable, options=None):
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable, options: InputOptions | None = None
+    ) -> "DistributedDataset":
         """Builds the input from `dataset_fn(input_context)` per input pipeline.
 
         `dataset_fn` gets a `kd.InputContext` and returns a dataset batched by

@@ -8,6 +8,7 @@ on the strategy, with a `DeprecationWarning` naming the new one
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["install_moved_methods"]
 
@@ -28,7 +29,7 @@ _MOVED_TO_PLACEMENT = {
 
 
 def _moved_to_placement(name: str, new_name: str) -> Callable:
-    def moved(self, *args, **kwargs):
+    def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
         warnings.warn(
             f"`strategy.{name}` is input machinery and moved to "
             f"`strategy.placement.{new_name}`; the strategy's own `{name}` will "

@@ -132,7 +132,7 @@ class ScalingReport(keras.callbacks.Callback):
 
     # Measuring -------------------------------------------------------------
 
-    def on_train_begin(self, logs=None):
+    def on_train_begin(self, logs: dict | None = None) -> None:
         self._strategy = strategy_of_model(self.model)
         self._call = _call.active()  # The fit's: its input and step timings.
         self._epochs: list[Interval] = []
@@ -140,26 +140,26 @@ class ScalingReport(keras.callbacks.Callback):
         self._first_step = None
         self._start = time.perf_counter()
 
-    def on_epoch_begin(self, epoch, logs=None):
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch_start = time.perf_counter()
         self._epoch_tally = self._tally()
         self._executions = 0  # Keras's loop: one per `steps_per_execution` steps.
         self._validation = 0.0
 
-    def on_train_batch_begin(self, batch, logs=None):
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._executions == 1 and not self._epochs:
             self._first_step = time.perf_counter() - self._epoch_start  # Compiles.
             self._warm_tally = self._tally()
             self._first_steps = (self._warm_tally - self._epoch_tally).steps or 1
         self._executions += 1
 
-    def on_test_begin(self, logs=None):
+    def on_test_begin(self, logs: dict | None = None) -> None:
         self._test_start = time.perf_counter()
 
-    def on_test_end(self, logs=None):
+    def on_test_end(self, logs: dict | None = None) -> None:
         self._validation += time.perf_counter() - self._test_start
 
-    def on_epoch_end(self, epoch, logs=None):
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         # Keras has waited for this epoch's results: the time is real.
         seconds = time.perf_counter() - self._epoch_start - self._validation
         tally = self._tally()
@@ -172,7 +172,7 @@ class ScalingReport(keras.callbacks.Callback):
             )
         self._epochs.append(interval)
 
-    def on_train_end(self, logs=None):
+    def on_train_end(self, logs: dict | None = None) -> None:
         self.result = self._summarize(time.perf_counter() - self._start)
         if self.print_summary and jax.process_index() == 0:
             print(self.format(), file=sys.stdout, flush=True)

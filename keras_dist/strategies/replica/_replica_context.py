@@ -37,7 +37,11 @@ class ReplicaContext:
     """
 
     def __init__(
-        self, strategy: StrategyParts, *, per_replica_batch=None, num_real=None
+        self,
+        strategy: StrategyParts,
+        *,
+        per_replica_batch: int | None = None,
+        num_real: "jax.Array | None" = None,
     ):
         self.strategy = strategy
         self.per_replica_batch = per_replica_batch

@@ -119,7 +119,11 @@ class StateLayout:
 
 def sharded_option(name: str, doc: str) -> property:
     """A strategy's read-only view of one option of its `ShardedStateLayout`."""
-    return property(lambda strategy: getattr(strategy.state_layout, name), doc=doc)
+
+    def option(strategy: Any) -> bool:
+        return bool(getattr(strategy.state_layout, name))
+
+    return property(option, doc=doc)
 
 
 class ShardedStateLayout(StateLayout):
