@@ -7,6 +7,8 @@ Keras 3. MNIST comes from TFDS; `--mock` uses TFDS's mock data (offline,
 random images) so it runs anywhere.
 
     python examples/keras_tutorial.py [--mock] [--epochs 12] [--workdir DIR]
+
+Needs TFDS: `pip install "keras-dist[tfds]"` (from a clone: `pip install -e ".[tfds]"`).
 """
 
 import argparse

@@ -69,10 +69,15 @@ def _kill_one_trial(workdir, draw: random.Random) -> int:
         os.kill(victim, signal.SIGKILL)  # A process this test's launcher started.
     finally:
         _, stderr = launcher.communicate(timeout=120)
-    assert launcher.returncode == 128 + signal.SIGKILL, stderr[-3000:]
+    # The launcher exits with the status of the process it sees end first:
+    # the killed one (137), or its peer, failing in a collective (1).
+    assert launcher.returncode in (1, 128 + signal.SIGKILL), stderr[-3000:]
     return _committed(backup)
 
 
+# ~22 launches of 2 processes: 505 s on 2 busy cores, more than the default
+# 600 s per test under CI's load.
+@pytest.mark.timeout(1800)
 def test_twenty_random_kills_then_the_run_ends_bit_identical(tmp_path):
     (tmp_path / "reference").mkdir()
     reference = launch(SCRIPT, tmp_path / "reference", env={"KD_STEP_SECONDS": "0"})
