@@ -10,6 +10,7 @@ the end, and its weights equal an uninterrupted 2-process run's bit for bit.
 The one-process trials: tests/callbacks/test_backup_and_restore.py.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -49,13 +50,24 @@ def _start(workdir):
     )  # fmt: skip
 
 
+def _stop(launcher, workdir) -> None:
+    """SIGKILLs the ranks this launcher started (the launcher then exits)."""
+    for rank in (0, 1):
+        path = workdir / f"pid_{rank}"
+        if path.exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(path.read_text()), signal.SIGKILL)
+    if launcher.poll() is None:
+        launcher.terminate()  # Forwarded to ranks not yet started.
+
+
 def _kill_one_trial(workdir, draw: random.Random) -> int:
     """Launches, waits for a newer committed backup, SIGKILLs a random rank."""
     backup = workdir / "backup"
     before = _committed(backup)
     for rank in (0, 1):
         (workdir / f"pid_{rank}").unlink(missing_ok=True)
-    launcher = _start(workdir)
+    launcher, killed = _start(workdir), False
     try:
         deadline = time.monotonic() + 180
         while _committed(backup) <= before or not all(
@@ -67,7 +79,10 @@ def _kill_one_trial(workdir, draw: random.Random) -> int:
         time.sleep(draw.uniform(0.0, 0.3))  # A save every step: mid-save, often.
         victim = int((workdir / f"pid_{draw.randrange(2)}").read_text())
         os.kill(victim, signal.SIGKILL)  # A process this test's launcher started.
+        killed = True
     finally:
+        if not killed:  # A failed wait: end this test's run, leave no process.
+            _stop(launcher, workdir)
         _, stderr = launcher.communicate(timeout=120)
     # The launcher exits with the status of the process it sees end first:
     # the killed one (137), or its peer, failing in a collective (1).
