@@ -4,12 +4,10 @@
 import json
 import os
 import warnings
-from typing import TYPE_CHECKING
+
+import keras
 
 from keras_dist.callbacks._sharded_checkpoints import restore_sharded
-
-if TYPE_CHECKING:
-    import keras
 
 __all__ = ["STATE_FILE", "SUFFIXES", "latest_checkpoint", "load_checkpoint"]
 
@@ -88,7 +86,7 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     return max(candidates, key=lambda p: (os.path.getmtime(p), p))
 
 
-def load_checkpoint(model: "keras.Model", path: "str | os.PathLike") -> None:
+def load_checkpoint(model: keras.Model, path: "str | os.PathLike") -> None:
     """Loads a checkpoint `ModelCheckpoint` (or Keras) wrote into `model`.
 
     A `.weights.h5` / `.keras` file loads as `model.load_weights` loads it.

@@ -5,7 +5,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import keras
@@ -17,10 +17,8 @@ from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import resolve
+from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.failure_handling._termination_config import TerminationConfig
-
-if TYPE_CHECKING:
-    from keras_dist.cluster import ClusterResolver
 
 __all__ = ["PreemptionCheckpointHandler"]
 
@@ -144,7 +142,7 @@ class PreemptionCheckpointHandler:
 
     def __init__(
         self,
-        cluster_resolver: "ClusterResolver | None",
+        cluster_resolver: ClusterResolver | None,
         checkpoint_or_manager: "keras.Model | Any",
         checkpoint_dir: "str | os.PathLike | None" = None,
         termination_config: TerminationConfig | None = None,

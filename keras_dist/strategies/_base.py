@@ -2,7 +2,7 @@
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import keras
@@ -21,9 +21,6 @@ from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership
 from keras_dist.strategies.state._memory_report import MemoryReport, memory_report
 from keras_dist.strategies.state._state_layout import StateLayout
-
-if TYPE_CHECKING:
-    from keras_dist.data._distributed_dataset import DistributedDataset
 
 __all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
 
@@ -331,7 +328,7 @@ class Strategy(keras.distribution.DataParallel):
 
     def experimental_distribute_dataset(
         self, dataset: Any, options: InputOptions | None = None
-    ) -> "DistributedDataset":
+    ) -> _distributed_dataset.DistributedDataset:
         """Splits each global batch of `dataset` over the replicas.
 
         Example:
@@ -361,7 +358,7 @@ class Strategy(keras.distribution.DataParallel):
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable, options: InputOptions | None = None
-    ) -> "DistributedDataset":
+    ) -> _distributed_dataset.DistributedDataset:
         """Builds the input from `dataset_fn(input_context)` per input pipeline.
 
         `dataset_fn` gets a `kd.InputContext` and returns a dataset batched by
