@@ -56,10 +56,11 @@ def run_worker(
     With `processes` > 1 it runs under keras-dist-run (`devices` split over
     them); the row is process 0's, with every process's row in `ranks`.
     """
-    command = [sys.executable, str(script), *(str(a) for a in args)]
+    launcher = []
     if processes > 1:
-        command[1:1] = ["-m", "keras_dist.launch", "-n", str(processes)]
-        command[5:5] = ["--devices-per-process", str(devices // processes)]
+        launcher = ["-m", "keras_dist.launch", "-n", str(processes)]
+        launcher += ["--devices-per-process", str(devices // processes)]
+    command = [sys.executable, *launcher, str(script), *(str(a) for a in args)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[PLATFORM_ENV] = platform_name
     try:
