@@ -198,7 +198,10 @@ def _enumerate_iterator(self):
     call = _call.active()
     plan = call.take_resume() if call is not None and call.method == "fit" else None
     if plan is None:
-        yield from original(self)
+        for begin, end, iterator in original(self):
+            if call is not None:
+                call.last_end_step = end
+            yield begin, end, iterator
         return
     _check_replayable(self, plan)
     for _ in range(plan.epochs):
@@ -214,6 +217,7 @@ def _enumerate_iterator(self):
             if ran_out:  # As in Keras's loop: the epoch ends there.
                 return
             continue
+        call.last_end_step = end
         yield begin, end, iterator
 
 

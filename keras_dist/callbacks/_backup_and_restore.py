@@ -14,6 +14,7 @@ from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
+from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
 
@@ -114,6 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._store = None
         self._preempted = threading.Event()
         self._previous_handler = None
+        self._step_end = StepEnd()
 
     # Life cycle ---------------------------------------------------------
 
@@ -139,27 +141,36 @@ class BackupAndRestore(keras.callbacks.Callback):
         else:
             self._step_in_epoch = 0
         self._saved_step = self._step_in_epoch
+        self._step_end.reset()
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # `batch` is the last step of the execution (`steps_per_execution`).
-        self._step_in_epoch = batch + 1
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        # The previous execution's end, handled here rather than in an
+        # `on_train_batch_end` hook, which would make Keras wait for every
+        # step (`_step_end.py`); the model's state is the same.
+        finished = self._step_end.begin(batch)
+        if finished is None:
+            return
+        self._step_in_epoch = finished + 1
         self._store.check()  # A background write that failed raises here.
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
-            self._store.wait()  # On disk before the process exits.
-            if is_chief():
-                print(
-                    # Epochs counted from 1, as Keras's progress bar and
-                    # "resuming at epoch E, step S" count them.
-                    f"\nBackupAndRestore: preempted (SIGTERM); saved at epoch "
-                    f"{self._epoch + 1}, step {self._step_in_epoch} to "
-                    f"{self.backup_dir}; exiting.",
-                    flush=True,
-                )
-            self._uninstall_sigterm_handler()
-            raise SystemExit(0)
+            self._exit_preempted()
         if self.save_freq != "epoch" and self._steps_since_save() >= self.save_freq:
             self._save(self._epoch, self._step_in_epoch)
+
+    def _exit_preempted(self) -> None:
+        self._store.wait()  # On disk before the process exits.
+        if is_chief():
+            print(
+                # Epochs counted from 1, as Keras's progress bar and
+                # "resuming at epoch E, step S" count them.
+                f"\nBackupAndRestore: preempted (SIGTERM); saved at epoch "
+                f"{self._epoch + 1}, step {self._step_in_epoch} to "
+                f"{self.backup_dir}; exiting.",
+                flush=True,
+            )
+        self._uninstall_sigterm_handler()
+        raise SystemExit(0)
 
     def _position(self, epoch: int, step: int) -> tuple[int, int]:
         """A backup after an epoch's last step resumes at the next epoch.
@@ -173,7 +184,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         return epoch, step
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        finished = self._step_end.epoch_end()  # The epoch's last execution.
+        if finished is not None:
+            self._step_in_epoch = finished + 1
+        self._store.check()
         self._save(epoch + 1, 0)
+        if finished is not None and self._preemption_noticed():
+            self._exit_preempted()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._release()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import string
 import tempfile
 import time
 
@@ -28,6 +29,7 @@ from keras_dist.callbacks._files import (
 )
 from keras_dist.callbacks._lr_control import plain_learning_rate
 from keras_dist.callbacks._sharded_checkpoints import ShardedCheckpoints
+from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
 
 __all__ = ["ModelCheckpoint"]
@@ -175,6 +177,12 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._sharded: ShardedCheckpoints | None = None
         self._last_save = time.monotonic()
         self._recorded = None
+        self._step_end = StepEnd()
+        self._logs_each_step = self.save_freq != "epoch" and (
+            self.save_best_only or _formats_logs(filepath)
+        )
+        if self._logs_each_step:  # Keras's hook: the step's logs, each step.
+            self.on_train_batch_end = self._after_execution  # type: ignore[method-assign]
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
@@ -196,13 +204,33 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             call.on_close(self._finish)
         self._write_index(done=False)
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        super().on_train_batch_end(batch, logs)
+    # No per-step hook: Keras's makes `fit` wait for every step, even with
+    # `save_freq="epoch"` (`_step_end.py`). An execution's end is handled at
+    # the next one's begin, or at the epoch's end. Only when the step's logs
+    # name the file or decide the save (`save_best_only`) with an integer
+    # `save_freq` does `__init__` put Keras's per-step hook back.
+    on_train_batch_end = keras.callbacks.Callback.on_train_batch_end
+
+    def _after_execution(self, batch: int, logs: dict | None) -> None:
+        """Keras's per-step checks and save, then the write and interval checks."""
+        keras.callbacks.ModelCheckpoint.on_train_batch_end(self, batch, logs)
         self._check()  # A background write that failed raises here.
         if self.save_interval_seconds is not None and self._interval_passed():
             self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
 
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_begin(epoch, logs)
+        self._step_end.reset()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        finished = self._step_end.begin(batch)
+        if finished is not None and not self._logs_each_step:
+            self._after_execution(finished, {})
+
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        finished = self._step_end.epoch_end()
+        if finished is not None and not self._logs_each_step:
+            self._after_execution(finished, {})
         super().on_epoch_end(epoch, logs)
         self._check()
 
@@ -372,3 +400,14 @@ def _check_not_dir(filepath: str) -> None:
 def _write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+
+
+def _formats_logs(filepath: str) -> bool:
+    """Whether `filepath` names a log value (`{loss:.2f}`), not only epoch/batch."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(filepath) if name]
+    except ValueError:  # Keras's own formatting reports it.
+        return True
+    return any(
+        name.split(".")[0].split("[")[0] not in ("epoch", "batch") for name in fields
+    )

@@ -151,6 +151,11 @@ class CallState:
             id of the Keras data adapter they came from (kept with it), so
             every pass over one adapter reuses one layout
             (`_resident.py`); shared with nested calls through `root`.
+        last_end_step: the last step index (in the epoch) of the newest
+            execution Keras's epoch loop was handed (`steps_per_execution`
+            steps end there), set before its `on_train_batch_begin`; None
+            before the first. Checkpoint callbacks read it to act at a
+            step's end without a per-step hook (`callbacks/_step_end.py`).
     """
 
     method: str
@@ -164,6 +169,7 @@ class CallState:
     check_batch: Callable[[Any, int], None] | None = None
     validates: bool | None = None
     resident: dict = dataclasses.field(default_factory=dict)
+    last_end_step: int | None = None
     _closers: list = dataclasses.field(default_factory=list)
 
     @property

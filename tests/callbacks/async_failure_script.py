@@ -43,9 +43,10 @@ class LimitFiles(keras.callbacks.Callback):
         self.backup = backup
         self.at_four = None
 
-    def on_train_batch_end(self, batch, logs=None):
-        step = int(np.asarray(self.model.optimizer.iterations.value))
-        if step == 4:
+    def on_train_batch_begin(self, batch, logs=None):
+        # Step 5 begins: BackupAndRestore (first in the list) has handled
+        # step 4's end, where it saves.
+        if batch == 4:
             self.backup._store.wait()
             self.at_four = [np.asarray(w) for w in self.model.get_weights()]
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

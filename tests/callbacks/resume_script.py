@@ -51,9 +51,28 @@ with scope:
 
 
 class Interrupt(keras.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        step = int(np.asarray(self.model.optimizer.iterations.value))
-        if step == kill_at:
+    """Signals this process once step `kill_at` has ended and the checkpoint
+    callback before it in the list has handled that step's end: at the next
+    step's `on_train_batch_begin`, or at the end of the epoch the step ended
+    (where keras_dist's callbacks handle an execution's end)."""
+
+    def on_train_begin(self, logs=None):
+        self.done = int(np.asarray(self.model.optimizer.iterations.value))
+        self.running = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.running:
+            self._ended()
+        self.running = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.running:
+            self._ended()
+        self.running = False
+
+    def _ended(self):
+        self.done += 1
+        if self.done == kill_at:
             sig = (
                 signal.SIGKILL
                 if os.environ.get("KD_SIGNAL") == "KILL"

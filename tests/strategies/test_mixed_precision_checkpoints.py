@@ -71,16 +71,18 @@ def test_model_checkpoint_round_trips_the_loss_scale(tmp_path, name):
 
 
 class _Interrupt(keras.callbacks.Callback):
-    """Raises after `at` batches of the `fit` (as a crash would, mid-epoch)."""
+    """Raises after `at` batches of the `fit` (as a crash would, mid-epoch),
+    once the callbacks before it handled batch `at`'s end: at the next
+    batch's begin (where keras_dist's checkpoint callbacks handle it)."""
 
     def __init__(self, at):
         super().__init__()
         self.at, self.batches = at, 0
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches += 1
+    def on_train_batch_begin(self, batch, logs=None):
         if self.batches == self.at:
             raise RuntimeError(f"interrupted after {self.at} batches")
+        self.batches += 1
 
 
 @pytest.mark.parametrize("name", ["fsdp", "zero1"])

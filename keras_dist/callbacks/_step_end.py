@@ -1,0 +1,55 @@
+"""A training step's end, seen by a callback without making `fit` wait for it.
+
+Keras's `CallbackList` (JAX backend) runs `on_train_batch_end` hooks on a
+background thread, so the training loop dispatches the next step while the
+devices still run this one — unless a callback defines that hook without
+declaring `async_safe`. Then every step's hooks run on the training thread
+after the step's logs are turned into Python floats: the loop waits for each
+step. Keras's own `ModelCheckpoint` and `BackupAndRestore` define the hook,
+so they make every step wait even when they save once an epoch (measured on
+one H200: a 0.5 ms step became 1.6 ms; `benchmarks/README.md`).
+
+A checkpoint callback needs the training thread (it freezes the model's
+state between two steps) but not the step's logs, unless it formats them
+into a file name or compares a monitored value. `StepEnd` hands it the end
+of each execution (`steps_per_execution` steps) at the next execution's
+`on_train_batch_begin`, or at `on_epoch_end` for the epoch's last one: the
+model's state is the same there, nothing trains in between. The end index
+comes from the epoch loop (`CallState.last_end_step`).
+"""
+
+from keras_dist.data import _call
+
+__all__ = ["StepEnd"]
+
+
+class StepEnd:
+    """The last step index of each finished training execution, on the training thread.
+
+    Call `begin(batch)` from `on_train_batch_begin` and `epoch_end()` from
+    `on_epoch_end`; each returns the last step index (in the epoch) of the
+    execution that finished since the previous call, or None. Call `reset()`
+    from `on_epoch_begin`.
+    """
+
+    def __init__(self) -> None:
+        self._running: int | None = None
+
+    def reset(self) -> None:
+        self._running = None
+
+    def begin(self, batch: int) -> int | None:
+        """The execution before the one starting at `batch` ended: its last step."""
+        finished, self._running = self._running, _end_of_execution(batch)
+        return finished
+
+    def epoch_end(self) -> int | None:
+        """The epoch's last execution ended (if one ran since `begin`)."""
+        finished, self._running = self._running, None
+        return finished
+
+
+def _end_of_execution(begin: int) -> int:
+    call = _call.active()
+    end = call.last_end_step if call is not None else None
+    return end if end is not None and end >= begin else begin
