@@ -121,6 +121,10 @@ def _scrub(text: str, workdir: pathlib.Path) -> str:
     return re.sub(r"/tmp/", "<tmp>/", text)
 
 
+def _outputs(nb):
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+
+
 def save_full_run(name: str) -> None:
     """Executes notebooks/`name` with its default epochs, offline; stores it."""
     path = NOTEBOOKS / name
@@ -141,10 +145,6 @@ def save_full_run(name: str) -> None:
     assert not left, f"{name}: local paths left in the outputs: {left}"
     nbformat.validate(nb)
     nbformat.write(nb, path)
-
-
-def _outputs(nb):
-    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
 
 
 @pytest.mark.slow
