@@ -4,13 +4,23 @@ Each notebook is executed with nbclient in an IPython kernel of this
 interpreter (ipykernel's own kernel spec, whatever kernels the machine has
 registered), offline and with few epochs (`KD_NOTEBOOK_EPOCHS`), in a fresh
 directory; the tests read the cells' outputs. The committed notebooks carry
-the outputs of a full run, which the fast test below checks are there.
+the outputs of a full run, which the fast tests below check are there, and
+open in Colab, where their first cell installs keras_dist.
+
+To store a full run again (default epochs, offline, local paths scrubbed):
+`python -m tests.test_notebooks [NAME.ipynb ...]` from the repository root.
 """
 
+import ast
+import importlib.metadata
 import os
 import pathlib
 import re
+import shlex
+import subprocess
 import sys
+import tempfile
+import tomllib
 
 import nbformat
 import pytest
@@ -18,27 +28,47 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
+from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
+from tests._tpu_fakes import fake_tpu_devices
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
+NAMES = [
+    "custom_training_loop.ipynb",
+    "digits_mirrored.ipynb",
+    "finetune_llm.ipynb",
+    "multi_worker.ipynb",
+    "tpu_colab.ipynb",
+]
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+REPOSITORY = PROJECT["urls"]["Source"]  # https://github.com/OWNER/NAME
 CELL_TIMEOUT = 240
-COLAB_URL = (
-    "https://colab.research.google.com/github/keras-dist/keras-dist/blob/main/"
-    "notebooks/tpu_colab.ipynb"
-)
+# An absolute path of the machine that ran a notebook.
+LOCAL_PATH = re.compile(r"/(?:work|tmp|home|Users|root)/")
+ALREADY_INSTALLED = "keras_dist is already installed: nothing to install.\n"
 
 
-def _execute(name: str, workdir: pathlib.Path, epochs: int):
-    """Runs notebooks/`name` in `workdir`; returns (stdout text, outputs)."""
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
+def _colab_url(name: str) -> str:
+    github = REPOSITORY.removeprefix("https://github.com/")
+    return (
+        f"https://colab.research.google.com/github/{github}/blob/main/notebooks/{name}"
+    )
+
+
+def _kernel_env(**overrides: str) -> dict[str, str]:
+    """This environment for a kernel: the keras_dist of this tree, offline."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")
     }
-    env.update(
-        KD_NOTEBOOK_EPOCHS=str(epochs),
-        KD_NOTEBOOK_OFFLINE="1",
-        TF_CPP_MIN_LOG_LEVEL="3",
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
     )
+    env.update(KD_NOTEBOOK_OFFLINE="1", TF_CPP_MIN_LOG_LEVEL="3", **overrides)
+    return env
+
+
+def _run(nb, workdir: pathlib.Path, env: dict[str, str]) -> None:
+    """Executes `nb` in place, in a fresh kernel of this interpreter in `workdir`."""
     # kernel_dirs=[]: ipykernel's native spec, whose argv is sys.executable.
     kernel = KernelManager(
         kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[])
@@ -49,7 +79,18 @@ def _execute(name: str, workdir: pathlib.Path, epochs: int):
         timeout=CELL_TIMEOUT,
         resources={"metadata": {"path": str(workdir)}},
     )
-    client.execute(env=env)
+    try:
+        client.execute(env=env)
+    finally:  # nbclient leaves a kernel it was given running.
+        if kernel.has_kernel:
+            kernel.shutdown_kernel(now=True)
+
+
+def _execute(name: str, workdir: pathlib.Path, epochs: int):
+    """Runs notebooks/`name` in `workdir`; returns (stdout text, outputs)."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
+    _run(nb, workdir, _kernel_env(KD_NOTEBOOK_EPOCHS=str(epochs)))
     outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
     assert text.strip().splitlines()[-1] == sys.executable, "kernel of another Python"
@@ -58,6 +99,52 @@ def _execute(name: str, workdir: pathlib.Path, epochs: int):
 
 def _count_png(outputs) -> int:
     return sum("image/png" in o.get("data", {}) for o in outputs)
+
+
+def _texts(output):
+    """The text fields of a stored output (not its images), as (key, text)."""
+    if "text" in output:
+        yield "text", output["text"]
+    for mime, value in output.get("data", {}).items():
+        if mime.startswith("text/") or mime.endswith("json"):
+            yield mime, value if isinstance(value, str) else repr(value)
+    if output.get("output_type") == "error":
+        yield "error", "\n".join([output["evalue"], *output["traceback"]])
+
+
+def _scrub(text: str, workdir: pathlib.Path) -> str:
+    """`text` without this machine's paths."""
+    text = text.replace(str(workdir) + "/", "").replace(str(workdir), ".")
+    text = text.replace(str(ROOT) + "/", "")
+    text = re.sub(r"/tmp/ipykernel_\d+/\d+\.py", "<ipython-input>", text)
+    text = re.sub(r"/[^\s\"':]*/site-packages/", "<site-packages>/", text)
+    return re.sub(r"/tmp/", "<tmp>/", text)
+
+
+def _outputs(nb):
+    return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+
+
+def save_full_run(name: str) -> None:
+    """Executes notebooks/`name` with its default epochs, offline; stores it."""
+    path = NOTEBOOKS / name
+    nb = nbformat.read(path, as_version=4)
+    env = _kernel_env()
+    env.pop("KD_NOTEBOOK_EPOCHS", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = pathlib.Path(tmp).resolve()
+        _run(nb, workdir, env)
+        for cell in nb.cells:
+            for output in cell.get("outputs", []):
+                if "text" in output:
+                    output["text"] = _scrub(output["text"], workdir)
+                for mime, value in output.get("data", {}).items():
+                    if mime.startswith("text/") and isinstance(value, str):
+                        output["data"][mime] = _scrub(value, workdir)
+    left = [t for o in _outputs(nb) for _, t in _texts(o) if LOCAL_PATH.search(t)]
+    assert not left, f"{name}: local paths left in the outputs: {left}"
+    nbformat.validate(nb)
+    nbformat.write(nb, path)
 
 
 @pytest.mark.slow
@@ -158,37 +245,277 @@ def test_finetune_llm_notebook_trains_lora_on_a_2d_mesh_and_generates(tmp_path):
     assert (tmp_path / "finetuned.keras").is_file()
 
 
-def test_committed_notebooks_carry_a_full_run():
-    """Every code cell ran, without error; the plots are saved as PNG."""
-    names = sorted(p.name for p in NOTEBOOKS.glob("*.ipynb"))
-    assert names == [
-        "custom_training_loop.ipynb",
-        "digits_mirrored.ipynb",
-        "finetune_llm.ipynb",
-        "multi_worker.ipynb",
-        "tpu_colab.ipynb",
+def _install_cell(nb) -> str:
+    return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def _install_namespace(source: str) -> dict:
+    """The install cell's definitions (REPOSITORY, ..., install_commands)."""
+    tree = ast.parse(source)
+    keep = [n for n in tree.body if not isinstance(n, ast.If)]  # Not the install.
+    namespace: dict = {}
+    exec(
+        compile(ast.Module(keep, type_ignores=[]), "<install cell>", "exec"), namespace
+    )
+    return namespace
+
+
+def _pattern(source: str) -> str:
+    """The install cell without what it installs."""
+    source = re.sub(r'^REQUIREMENT = ".*?"', "REQUIREMENT = ...", source, flags=re.M)
+    return re.sub(r"^OTHERS = \[.*?\]", "OTHERS = ...", source, flags=re.M)
+
+
+def _distribution(requirement: str) -> str:
+    name = re.match(r"[A-Za-z0-9._-]+", requirement.strip())[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installed_with(requirement: str, others: list[str]) -> set[str]:
+    """The distributions `pip install requirement *others` brings (per metadata)."""
+    extras = re.search(r"\[(.*)\]", requirement)
+    wanted = list(PROJECT["dependencies"]) + list(others)
+    for extra in extras[1].split(",") if extras else []:
+        wanted += PROJECT["optional-dependencies"][extra.strip()]
+    seen: set[str] = set()
+    todo = [_distribution(r) for r in wanted]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        todo += [_distribution(r) for r in requires if "extra ==" not in r]
+    return seen
+
+
+def _imported_modules(nb) -> set[str]:
+    """Top-level modules the code cells import, less the stdlib and its own files."""
+    modules, written = set(), set()
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        source = cell.source
+        if source.startswith("%%writefile "):
+            written.add(source.split("\n", 1)[0].split()[-1].removesuffix(".py"))
+            source = source.split("\n", 1)[1]
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                modules |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules.add(node.module.split(".")[0])
+    return modules - set(sys.stdlib_module_names) - written - {"keras_dist"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_opens_in_colab_from_its_badge(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    assert REPOSITORY.startswith("https://github.com/"), REPOSITORY
+    badge = (
+        "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        f"({_colab_url(name)})"
+    )
+    assert nb.cells[0].cell_type == "markdown"
+    assert nb.cells[0].source.splitlines()[0] == badge
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_install_cell_installs_from_the_index_then_the_repository(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    source = _install_cell(nb)
+    # Looked up without importing it (Keras must not start before the
+    # notebook sets KERAS_BACKEND and XLA_FLAGS in the next cell).
+    assert re.search(
+        r'^if importlib\.util\.find_spec\("keras_dist"\):\n'
+        r'    print\("keras_dist is already installed: nothing to install\."\)\n'
+        r"else:\n    for command in install_commands\(\):\n",
+        source,
+        re.M,
+    )
+    assert not re.search(r"^\s*[%!]", source, re.M), "no IPython magics"
+    namespace = _install_namespace(source)
+    assert namespace["REPOSITORY"] == REPOSITORY
+    requirement, others = namespace["REQUIREMENT"], namespace["OTHERS"]
+    assert re.fullmatch(r"keras-dist(\[[a-z,]+\])?", requirement), requirement
+    pip = [sys.executable, "-m", "pip", "install", "--quiet"]
+    assert namespace["install_commands"]() == [
+        [*pip, requirement, *others],
+        [*pip, f"{requirement} @ git+{REPOSITORY}", *others],
     ]
-    for name in names:
+    # The same cell in every notebook, but for what it installs.
+    first = _install_cell(nbformat.read(NOTEBOOKS / NAMES[0], as_version=4))
+    assert _pattern(source) == _pattern(first)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_install_cell_brings_every_package_the_notebook_imports(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    namespace = _install_namespace(_install_cell(nb))
+    installed = _installed_with(namespace["REQUIREMENT"], namespace["OTHERS"])
+    modules = importlib.metadata.packages_distributions()
+    missing = {
+        module: modules.get(module)
+        for module in _imported_modules(nb)
+        if not {_distribution(d) for d in modules.get(module, [])} & installed
+    }
+    assert not missing, f"{name} imports modules its install cell does not bring"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_install_cell_does_nothing_where_keras_dist_is_installed(name, tmp_path):
+    """Run alone in a fresh kernel, where keras_dist imports: one line, no pip."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nb.cells = [nbformat.v4.new_code_cell(_install_cell(nb))]
+    _run(nb, tmp_path, _kernel_env())
+    assert [
+        (o.output_type, o.get("name"), o.get("text")) for o in nb.cells[0].outputs
+    ] == [("stream", "stdout", ALREADY_INSTALLED)]
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """A new virtual environment's Python: pip, and no keras_dist."""
+    venv = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    return str(venv / "bin" / "python")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_install_cell_without_keras_dist_tries_the_index_then_the_repository(
+    name, bare_python, tmp_path
+):
+    """Run where keras_dist is not installed, offline: both pip installs fail.
+
+    pip finds no index (`PIP_NO_INDEX`), and git, allowed local clones only
+    (`GIT_ALLOW_PROTOCOL=file`), does not clone the repository over https.
+    """
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    source = _install_cell(nb)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
+    env.update(
+        PIP_NO_INDEX="1",
+        PIP_CONFIG_FILE=os.devnull,
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        GIT_ALLOW_PROTOCOL="file",
+    )
+
+    def python(code):
+        return subprocess.run(
+            [bare_python, "-c", code],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    assert python("import keras_dist").returncode == 1
+    result = python(source)
+    namespace = _install_namespace(source)
+    requirement, others = namespace["REQUIREMENT"], namespace["OTHERS"]
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: keras_dist could not be installed from the package index "
+        f"nor from {REPOSITORY}: see pip's messages above."
+    )
+    out = result.stdout
+    index = shlex.join(
+        ["python", "-m", "pip", "install", "--quiet", requirement, *others]
+    )
+    repository = shlex.join(
+        [
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            f"{requirement} @ git+{REPOSITORY}",
+            *others,
+        ]
+    )
+    assert [line for line in out.splitlines() if line.startswith("$ ")] == [
+        f"$ {index}",
+        f"$ {repository}",
+    ]
+    # pip's own messages, printed after each attempt: the index has no
+    # keras-dist, then git could not clone the repository.
+    no_index = out.index("ERROR: No matching distribution found for keras-dist")
+    clone = out.index(f"git clone --filter=blob:none --quiet {REPOSITORY} ")
+    assert out.index(f"$ {index}") < no_index < out.index(f"$ {repository}") < clone
+    assert "fatal: transport 'https' not allowed" in out[clone:]
+    assert python("import keras_dist").returncode == 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stored_outputs_hold_no_local_path(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    found = [
+        (i, key, match[0])
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        for key, text in _texts(output)
+        for match in [LOCAL_PATH.search(text)]
+        if match
+    ]
+    assert not found, f"{name}: (cell, output, path) {found}"
+
+
+def test_committed_notebooks_carry_a_full_run():
+    """Every code cell ran, in order, without error; the plots are saved as PNG."""
+    assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == NAMES
+    for name in NAMES:
         nb = nbformat.read(NOTEBOOKS / name, as_version=4)
         nbformat.validate(nb)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), name
         outputs = [o for c in code for o in c.outputs]
         assert not [o for o in outputs if o.output_type == "error"], name
-        assert "KD_NOTEBOOK_EPOCHS" in code[0].source + code[1].source, name
+        # The install cell ran where keras_dist was installed.
+        assert [o.get("text") for o in code[0].outputs] == [ALREADY_INSTALLED], name
+        assert any("KD_NOTEBOOK_EPOCHS" in c.source for c in code[1:3]), name
         if name in ("custom_training_loop.ipynb", "tpu_colab.ipynb"):
             assert _count_png(outputs) == 1, name
 
 
-def test_tpu_notebook_opens_in_colab_and_installs_only_there():
+def test_tpu_notebook_says_which_colab_runtime_and_what_it_prints():
     nb = nbformat.read(NOTEBOOKS / "tpu_colab.ipynb", as_version=4)
-    assert COLAB_URL in nb.cells[0].source
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "**Runtime → Change runtime type → TPU**" in markdown
+    # One replica per TPU device: 1 on a single-chip v5e-1, 8 on a v2-8's cores,
+    # in the order TPUStrategy gives them (devices as JAX reports them there).
+    for runtime, devices in (
+        ("v5e-1", fake_tpu_devices(1, 1, 1, "TPU v5 lite")),
+        ("v2-8", fake_tpu_devices(2, 2, 1, "TPU v2", cores_per_chip=2)),
+    ):
+        replicas = len(devices)
+        # One host: a device's index among the local ones is its id.
+        names = [f"tpu:{d.id}" for d in tpu_device_order(devices)]
+        if len(names) > 4:  # As Strategy.__repr__ shortens them.
+            names = [*names[:2], "...", names[-1]]
+        strategy = (
+            f"TPUStrategy(devices=[{', '.join(names)}], "
+            f"num_replicas_in_sync={replicas})"
+        )
+        assert runtime in markdown
+        assert strategy in markdown
+        assert f"Number of devices: {replicas}\n" in markdown
+        assert f"`global batch: {64 * replicas}`" in markdown
     code = [c.source for c in nb.cells if c.cell_type == "code"]
-    install = next(source for source in code if "%pip install" in source)
-    assert "import google.colab" in install
-    assert re.search(r"^if IN_COLAB:\n    %pip install", install, re.M)
-    assert '"keras-dist[tpu]"' in install
     keras_backend = next(i for i, s in enumerate(code) if "KERAS_BACKEND" in s)
     assert keras_backend < next(i for i, s in enumerate(code) if "import keras" in s)
     strategy = next(source for source in code if "TPUClusterResolver()" in source)
     assert "except ValueError" in strategy and "kd.MirroredStrategy()" in strategy
+    assert "print(strategy)" in strategy
+    assert 'print(f"Number of devices: {strategy.num_replicas_in_sync}")' in strategy
+    assert '"global batch:", BATCH_SIZE' in "\n".join(code)
+    assert "BATCH_SIZE_PER_REPLICA = 64 if ONLINE" in "\n".join(code)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or NAMES:
+        print("executing", name, flush=True)
+        save_full_run(name)
