@@ -3,10 +3,11 @@
 import math
 import os
 import sys
+from typing import Any
 
 import jax
 
-from keras_dist._backend import backend_started, size_cpu_thread_pool
+from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
 from keras_dist.cluster._environment import check_address, resolve
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -129,8 +130,9 @@ def initialize(
             "join a cluster. Create the strategy (or call "
             "`kd.cluster.initialize()`) before any other JAX or Keras computation."
         )
-    local = jax.config.jax_platforms or "default backend"
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(local):
+    platforms = jax_option("jax_platforms")
+    local = platforms or "default backend"
+    if platforms in (None, "", "cpu") or "cpu" in str(local):
         jax.config.update(
             "jax_cpu_collectives_implementation",
             "gloo" if implementation == "auto" else implementation,
@@ -143,7 +145,7 @@ def initialize(
     )
     if resolver.source != "jax":  # Every process there, or a named error.
         timeout = roll_call(resolver, timeout)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if resolver.source != "jax":
         kwargs = {
             "coordinator_address": resolver.coordinator_address,
