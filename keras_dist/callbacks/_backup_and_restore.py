@@ -4,6 +4,9 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 import keras
@@ -111,9 +114,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store = None
+        self._store: BackupStore | None = None
         self._preempted = threading.Event()
-        self._previous_handler = None
+        self._previous_handler: Callable[[int, FrameType | None], Any] | int | None = (
+            None
+        )
 
     # Life cycle ---------------------------------------------------------
 
@@ -143,10 +148,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # `batch` is the last step of the execution (`steps_per_execution`).
         self._step_in_epoch = batch + 1
-        self._store.check()  # A background write that failed raises here.
+        self._open_store().check()  # A background write that failed raises here.
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
-            self._store.wait()  # On disk before the process exits.
+            self._open_store().wait()  # On disk before the process exits.
             if is_chief():
                 print(
                     # Epochs counted from 1, as Keras's progress bar and
@@ -158,7 +163,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
             self._uninstall_sigterm_handler()
             raise SystemExit(0)
-        if self.save_freq != "epoch" and self._steps_since_save() >= self.save_freq:
+        if (
+            isinstance(self.save_freq, int)  # Not "epoch".
+            and self._steps_since_save() >= self.save_freq
+        ):
             self._save(self._epoch, self._step_in_epoch)
 
     def _position(self, epoch: int, step: int) -> tuple[int, int]:
@@ -190,12 +198,17 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # State ----------------------------------------------------------------
 
+    def _open_store(self) -> BackupStore:
+        """The store of this `fit` (from `on_train_begin` to `_release`)."""
+        assert self._store is not None, "BackupAndRestore: no `fit` running"
+        return self._store
+
     def _save(self, epoch: int, step: int) -> None:
         sync_state(self.model)
         self._saved_step = step
         epoch, step = self._position(epoch, step)
         strategy = strategy_of_model(self.model)
-        self._store.save(
+        self._open_store().save(
             self.model,
             step_counter(self.model.optimizer),
             {
@@ -210,7 +223,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return self._step_in_epoch - self._saved_step
 
     def _restore(self, call) -> None:
-        meta = self._store.restore(self.model)
+        meta = self._open_store().restore(self.model)
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 from keras_dist._checks import check_int
 from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist._keras_compat._saving import (
+    Snapshot,
     record,
     reusable,
     snapshot,
@@ -174,7 +175,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         )
         self._sharded: ShardedCheckpoints | None = None
         self._last_save = time.monotonic()
-        self._recorded = None
+        self._recorded: Snapshot | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
@@ -199,7 +200,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         super().on_train_batch_end(batch, logs)
         self._check()  # A background write that failed raises here.
-        if self.save_interval_seconds is not None and self._interval_passed():
+        interval = self.save_interval_seconds
+        if interval is not None and self._interval_passed(interval):
             self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -236,8 +238,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             if sharded is not None:
                 sharded.close()
 
-    def _interval_passed(self) -> bool:
-        due = time.monotonic() - self._last_save >= self.save_interval_seconds
+    def _interval_passed(self, interval: float) -> bool:
+        due = time.monotonic() - self._last_save >= interval
         if jax.process_count() > 1:  # The chief's clock decides for all.
             due = bool(multihost_utils.broadcast_one_to_all(int(due)))
         return due
@@ -252,6 +254,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         sync_state(self.model)
         step = step_counter(self.model.optimizer)
         if self.sharded:
+            assert self._sharded is not None  # Made by on_train_begin.
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 path = self._sharded.save(
                     self.model, step, weights_only=self.save_weights_only
@@ -335,7 +338,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _kept_forever(self, filepath: str) -> bool:
         step = self._steps.get(filepath)
         period = self.keep_period
-        return bool(period) and step is not None and step % period == 0
+        if not period or step is None:
+            return False
+        return step % period == 0
 
     def _write_index(self, *, done: bool) -> None:
         """The `checkpoint` index: newest last, each file's epoch, `done`.

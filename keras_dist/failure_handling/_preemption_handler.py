@@ -5,6 +5,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import jax
@@ -171,7 +172,9 @@ class PreemptionCheckpointHandler:
         self._final_run: int | None = None
         self._watcher_fired = False
         self._notice = threading.Event()
-        self._previous_handler = None
+        self._previous_handler: Callable[[int, FrameType | None], Any] | int | None = (
+            None
+        )
         meta = self._manager.restore()
         if meta is not None:
             self._run_counter = int(meta["total_run_calls"])
