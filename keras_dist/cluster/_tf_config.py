@@ -137,7 +137,8 @@ def _load(tf_config) -> dict:
 
 
 def _cluster_spec(cluster: dict) -> dict[str, list[str]]:
-    spec, seen = {}, {}
+    spec: dict[str, list[str]] = {}
+    seen: dict[tuple[str, int], str] = {}
     for role, addresses in cluster.items():
         if role not in ROLES:
             raise ClusterConfigError(

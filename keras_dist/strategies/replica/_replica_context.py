@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_dist.data._partial_batch import real_mask, total_real
+from keras_dist.data._partial_batch import NumReal, real_mask, total_real
 from keras_dist.strategies.replica._parts import StrategyParts
 from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership
@@ -41,9 +41,10 @@ class ReplicaContext:
         strategy: StrategyParts,
         *,
         per_replica_batch: int | None = None,
-        num_real: "jax.Array | None" = None,
+        num_real: NumReal | None = None,
     ):
-        self.strategy = strategy
+        # None in the default context (`_DefaultReplicaContext`).
+        self.strategy: StrategyParts | None = strategy
         self.per_replica_batch = per_replica_batch
         self.num_real = num_real
         self._in_run = True
@@ -51,6 +52,7 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """Number of replicas taking part in the collectives."""
+        assert self.strategy is not None  # The default context has its own.
         return self.strategy.num_replicas_in_sync
 
     @property

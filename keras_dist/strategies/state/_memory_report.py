@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from keras_dist.strategies.devices._placement import BATCH_AXIS
@@ -126,7 +127,13 @@ def memory_report(strategy: StrategyParts, model) -> MemoryReport:
     optimizer = getattr(model, "optimizer", None)
     seen = {id(v) for v in weights}
     slots = [v for v in getattr(optimizer, "variables", []) if id(v) not in seen]
-    entries, per_device = [], {"weight": {}, "optimizer": {}, "host": {}}
+    entries: list[VariableMemory] = []
+    # Bytes per device, by kind.
+    per_device: dict[str, dict[jax.Device, int]] = {
+        "weight": {},
+        "optimizer": {},
+        "host": {},
+    }
     for kind, group in (("weight", weights), ("optimizer", slots)):
         for v in group:
             entries.append(_describe(strategy, v, kind, per_device))
