@@ -222,7 +222,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step
 
-    def _restore(self, call) -> None:
+    def _restore(self, call: _call.CallState | None) -> None:
         meta = self._open_store().restore(self.model)
         if meta is None:
             return

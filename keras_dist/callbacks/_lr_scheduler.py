@@ -169,7 +169,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         release(self.model)  # The last rate stays, as a plain variable.
 
 
-def _first_bad(schedule, start: int, stop: int) -> tuple[int, Any] | None:
+def _first_bad(
+    schedule: Callable[..., Any], start: int, stop: int
+) -> tuple[int, Any] | None:
     """`(step, rate)` of the first NaN or negative rate in [start, stop), or None.
 
     Evaluates as the compiled step does (float32 step in, float32 rate out):
@@ -197,12 +199,12 @@ def _first_bad(schedule, start: int, stop: int) -> tuple[int, Any] | None:
     return start + int(bad[0]), rates[bad[0]]
 
 
-def _raise_bad(step: int, rate) -> None:
+def _raise_bad(step: int, rate: Any) -> None:
     # The float32 rate, printed as short as it round-trips (-0.1, not -0.100000001).
     check_rate(float(str(np.float32(rate))), what=f"`schedule` at step {step}")
 
 
-def _takes_lr(schedule) -> bool:
+def _takes_lr(schedule: Callable[..., Any]) -> bool:
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return False
     try:

@@ -4,6 +4,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 import jax
 import keras
@@ -113,8 +114,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         save_interval_seconds: float | None = None,
         async_save: bool = True,
         sharded: bool = False,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         filepath = os.fspath(filepath)
         weights_only = kwargs.get("save_weights_only", False)
         for name, flag in (("async_save", async_save), ("sharded", sharded)):
@@ -244,7 +245,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             due = bool(multihost_utils.broadcast_one_to_all(int(due)))
         return due
 
-    def _save_model(self, epoch, batch, logs):
+    def _save_model(self, epoch: int, batch: int | None, logs: dict | None) -> None:
         if self.save_best_only and batch is None:
             check_monitor(self.monitor, logs)
         filepath = self._get_file_path(epoch, batch, logs)

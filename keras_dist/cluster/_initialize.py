@@ -3,6 +3,7 @@
 import math
 import os
 import sys
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -33,7 +34,11 @@ def _exit_fast_on_errors() -> None:
     """
     previous = sys.excepthook
 
-    def hook(kind, value, traceback):
+    def hook(
+        kind: type[BaseException],
+        value: BaseException,
+        traceback: TracebackType | None,
+    ) -> None:
         previous(kind, value, traceback)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -42,7 +47,7 @@ def _exit_fast_on_errors() -> None:
     sys.excepthook = hook
 
 
-def _check_timeout(timeout) -> None:
+def _check_timeout(timeout: Any) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise TypeError(
             "`timeout` must be a number of seconds, e.g. 300. Received: "

@@ -148,7 +148,7 @@ def _options(options: InputOptions | None) -> InputOptions:
 
 
 def distribute_dataset(
-    strategy: InputTarget, dataset: Any, options=None
+    strategy: InputTarget, dataset: Any, options: InputOptions | None = None
 ) -> DistributedDataset:
     options = _options(options)
     checks: dict[str, Any] = {"argument": "dataset", "per_replica": False}
@@ -179,7 +179,9 @@ def _grouped(batches: Iterator[Any], group: int) -> Iterator[Any]:
 
 
 def distribute_datasets_from_function(
-    strategy: InputTarget, dataset_fn: Callable[[InputContext], Any], options=None
+    strategy: InputTarget,
+    dataset_fn: Callable[[InputContext], Any],
+    options: InputOptions | None = None,
 ) -> DistributedDataset:
     options = _options(options)
     if not callable(dataset_fn):

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import keras
@@ -22,6 +22,14 @@ from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.failure_handling._termination_config import TerminationConfig
 
 __all__ = ["PreemptionCheckpointHandler"]
+
+
+class _Manager(Protocol):
+    """What saves and restores for `PreemptionCheckpointHandler`."""
+
+    def save(self, number: int, meta: dict) -> None: ...
+
+    def restore(self) -> dict | None: ...
 
 
 class _ModelState:
@@ -54,7 +62,7 @@ class _ModelState:
         return self.model.non_trainable_variables
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> keras.Optimizer | None:
         return self.model.optimizer
 
     @property
@@ -69,7 +77,9 @@ class _ModelState:
         return self._store.restore(self)
 
 
-def _manager(checkpoint_or_manager, checkpoint_dir):
+def _manager(
+    checkpoint_or_manager: Any, checkpoint_dir: "str | os.PathLike | None"
+) -> _Manager:
     if isinstance(checkpoint_or_manager, keras.Model):
         if checkpoint_dir is None:
             raise ValueError(

@@ -252,7 +252,7 @@ class ScalingReport(keras.callbacks.Callback):
         """The one-screen summary of `result`."""
         r = self.result
 
-        def number(value, unit="", digits=2):
+        def number(value: float | None, unit: str = "", digits: int = 2) -> str:
             return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
         lines = [

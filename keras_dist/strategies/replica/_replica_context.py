@@ -150,7 +150,7 @@ class ReplicaContext:
 class _DefaultReplicaContext(ReplicaContext):
     """The context outside any strategy: one replica, collectives are identities."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.strategy = None
         self.per_replica_batch = None
         self.num_real = None
@@ -164,14 +164,14 @@ class _DefaultReplicaContext(ReplicaContext):
     def replica_id_in_sync_group(self) -> jax.Array:
         return jnp.asarray(0, dtype="int32")
 
-    def all_reduce(self, reduce_op, value):
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
         ReduceOp.parse(reduce_op)
         return value
 
-    def all_gather(self, value, axis=0):
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
         return value
 
-    def all_finite(self, value):
+    def all_finite(self, value: Any) -> jax.Array:
         return finite(value)
 
     def __repr__(self) -> str:
@@ -191,7 +191,7 @@ def all_replicas(flag: jax.Array) -> jax.Array:
     return jax.lax.pmin(flag.astype("int32"), AXIS).astype("bool")
 
 
-def varies(value, *, unknown: bool = True) -> bool:
+def varies(value: Any, *, unknown: bool = True) -> bool:
     """Whether JAX knows `value` (traced in `run`) to differ between replicas.
 
     `unknown` when this JAX version does not say (by default True:

@@ -185,7 +185,13 @@ def foreign_batch_mesh(
 
 
 def other_strategy_error(
-    strategy: StrategyParts, leaf: Any, mesh, *, call: str, argument: str, fix: str
+    strategy: StrategyParts,
+    leaf: Any,
+    mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh",
+    *,
+    call: str,
+    argument: str,
+    fix: str,
 ) -> ValueError:
     """The error for `leaf` (at `argument`), split over `mesh`, given to `call`."""
     other = leaf.strategy if isinstance(leaf, PerReplica) else None

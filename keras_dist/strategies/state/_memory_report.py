@@ -1,6 +1,7 @@
 """`MemoryReport`: how many bytes of a model each device holds, and why."""
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -121,7 +122,7 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(strategy: StrategyParts, model) -> MemoryReport:
+def memory_report(strategy: StrategyParts, model: Any) -> MemoryReport:
     """Reads the layout and the device buffers of every variable of `model`."""
     weights = list(model.trainable_variables) + list(model.non_trainable_variables)
     optimizer = getattr(model, "optimizer", None)
@@ -153,7 +154,10 @@ def memory_report(strategy: StrategyParts, model) -> MemoryReport:
 
 
 def _describe(
-    strategy: StrategyParts, variable, kind: str, per_device: dict
+    strategy: StrategyParts,
+    variable: Any,
+    kind: str,
+    per_device: dict[str, dict[jax.Device, int]],
 ) -> VariableMemory:
     """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
     value = variable.value
