@@ -22,6 +22,9 @@ from keras_dist.strategies._base import strategy_of_model
 
 __all__ = ["BackupAndRestore"]
 
+# What `signal.signal` returns and takes.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
 
 class BackupAndRestore(keras.callbacks.Callback):
     """Backs up the whole training state; a restarted `fit` continues exactly.
@@ -116,9 +119,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.async_save = async_save
         self._store: BackupStore | None = None
         self._preempted = threading.Event()
-        self._previous_handler: Callable[[int, FrameType | None], Any] | int | None = (
-            None
-        )
+        self._previous_handler: _SignalHandler = None
 
     # Life cycle ---------------------------------------------------------
 

@@ -23,6 +23,9 @@ from keras_dist.failure_handling._termination_config import TerminationConfig
 
 __all__ = ["PreemptionCheckpointHandler"]
 
+# What `signal.signal` returns and takes.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
 
 class _Manager(Protocol):
     """What saves and restores for `PreemptionCheckpointHandler`."""
@@ -182,9 +185,7 @@ class PreemptionCheckpointHandler:
         self._final_run: int | None = None
         self._watcher_fired = False
         self._notice = threading.Event()
-        self._previous_handler: Callable[[int, FrameType | None], Any] | int | None = (
-            None
-        )
+        self._previous_handler: _SignalHandler = None
         meta = self._manager.restore()
         if meta is not None:
             self._run_counter = int(meta["total_run_calls"])

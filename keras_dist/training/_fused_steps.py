@@ -126,7 +126,8 @@ def loops_slowly(fused: Callable, state: Any, group: BatchGroup) -> bool:
     ]
     if not arrays:
         return False
-    devices: set[jax.Device] = arrays[0].sharding.device_set  # Device? in jax's stubs.
+    # Annotated: jax's stubs leave the type of `device_set`'s items unresolved.
+    devices: set[jax.Device] = arrays[0].sharding.device_set
     if any(d.platform != "cpu" for d in devices):
         return False
     # Shapes only: state kept in host memory (CentralStorage) is brought to
