@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+from typing import Any
 
 
 def ensure_jax_backend() -> None:
@@ -62,11 +63,16 @@ def backend_started() -> bool:
         return False
 
 
-def cpu_devices_requested() -> int:
-    """The CPU devices JAX will make: `XLA_FLAGS` or `jax_num_cpu_devices`."""
+def jax_option(name: str) -> Any:
+    """The value of a `jax.config` option (attributes it makes at run time)."""
     import jax
 
-    configured = jax.config.jax_num_cpu_devices
+    return getattr(jax.config, name)
+
+
+def cpu_devices_requested() -> int:
+    """The CPU devices JAX will make: `XLA_FLAGS` or `jax_num_cpu_devices`."""
+    configured = jax_option("jax_num_cpu_devices")
     if configured and configured > 0:
         return int(configured)
     found = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))

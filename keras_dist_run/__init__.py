@@ -33,7 +33,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import IO
 
 __all__ = ["main"]
 
@@ -78,10 +80,12 @@ def _version() -> str:
         return "unknown (keras-dist is not installed)"
 
 
-def _number(convert, what: str, minimum: float):
+def _number(
+    convert: Callable[[str], float], what: str, minimum: float
+) -> Callable[[str], float]:
     """An argparse type: `convert(text)`, at least `minimum`."""
 
-    def parse(text: str):
+    def parse(text: str) -> float:
         try:
             value = convert(text)
         except ValueError:
@@ -209,7 +213,7 @@ def _environment(rank: int | None, n: int, port: int, devices: int | None) -> di
     return env
 
 
-def _pump(rank: "int | str", stream, sink) -> None:
+def _pump(rank: "int | str", stream: IO[str], sink: IO[str]) -> None:
     for line in iter(stream.readline, ""):
         sink.write(f"[{rank}] {line}")
         sink.flush()
@@ -217,7 +221,7 @@ def _pump(rank: "int | str", stream, sink) -> None:
 
 
 class _Cluster:
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace) -> None:
         self.n = args.num_processes
         port = args.port or free_port()
         command = [sys.executable, args.script, *args.args]
@@ -324,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"script not found: {args.script!r}.")
     cluster = _Cluster(args)
 
-    def forward(signum, frame):
+    def forward(signum: int, frame: FrameType | None) -> None:
         cluster.interrupted = signum
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -218,7 +218,7 @@ _SEAMS: tuple = (
 def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:
     """(owner, attribute, value) of `module.path`; value None if missing."""
     try:
-        owner = importlib.import_module(module_name)
+        owner: Any = importlib.import_module(module_name)
     except ImportError:
         return None, path, None
     *owners, attribute = path.split(".")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import keras
 
+from keras_dist._keras_compat._wrapped import marked
 from keras_dist.training._gradient_accumulation import (
     accumulates_under_strategy,
     apply_accumulated,
@@ -40,7 +41,7 @@ def _backend_apply_gradients(method: Callable) -> Callable:
             return method(optimizer, grads, trainable_variables)
         return apply_accumulated(optimizer, grads, trainable_variables, method)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -54,17 +55,18 @@ def _get_current_learning_rate(method: Callable) -> Callable:
             return schedule(schedule_step(optimizer))
         return method(optimizer)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
 def _iterations(iterations: property) -> property:
     read = iterations.fget
+    assert read is not None, "Keras's `iterations` property has a getter"
 
     @functools.wraps(read)
     def updates(optimizer):
         number = update_number(optimizer)
         return read(optimizer) if number is None else number
 
-    updates._keras_dist_wrapped = read
+    marked(updates, read)
     return property(updates, iterations.fset, iterations.fdel, iterations.__doc__)

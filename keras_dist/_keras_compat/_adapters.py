@@ -29,6 +29,7 @@ import numpy as np
 from keras.src import tree
 from keras.src.trainers.data_adapters import array_slicing
 
+from keras_dist._keras_compat._wrapped import marked
 from keras_dist.data import _call
 from keras_dist.data._target import InputTarget
 from keras_dist.data.host._auto_shard import per_process_share
@@ -178,7 +179,7 @@ def tf_dataset_adapter_init(original: Callable) -> Callable:
         if isinstance(distribution, Strategy):
             self._dataset = per_process_share(distribution.placement, self._dataset)
 
-    __init__._keras_dist_wrapped = original
+    marked(__init__, original)
     return __init__
 
 

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from keras_dist._keras_compat._wrapped import marked
+
 __all__ = ["_array"]
 
 
@@ -28,5 +30,5 @@ def _array(method: Callable) -> Callable:
             return np.asarray(whole, dtype=dtype)
         return method(variable, dtype, *args, **kwargs)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper

@@ -38,7 +38,7 @@ _ABSENT = object()
 
 def _lookup(module_name: str, path: str) -> Any:
     try:
-        owner = importlib.import_module(module_name)
+        owner: object = importlib.import_module(module_name)
     except ImportError:
         return _ABSENT
     for name in path.split("."):

@@ -136,13 +136,14 @@ def _make_function(self, step_function, concatenate_outputs=False):
         and self.steps_per_execution > 1
     ):
         steps = self.steps_per_execution
+        program = step_function  # Its strategy: the one it was made under.
         return FusedSteps(
             step_function.step,
             step_function.group(steps),
             steps=steps,
             concatenate=concatenate_outputs,
             keras_loop=keras_loop,
-            enabled=lambda: strategy.input_options.fuse_steps,
+            enabled=lambda: program.strategy.input_options.fuse_steps,
         )
     return keras_loop
 
@@ -217,7 +218,8 @@ def _enumerate_iterator(self):
             if ran_out:  # As in Keras's loop: the epoch ends there.
                 return
             continue
-        call.last_end_step = end
+        if call is not None:
+            call.last_end_step = end
         yield begin, end, iterator
 
 

@@ -11,6 +11,7 @@ import keras
 from keras_dist._checks import check_int
 from keras_dist._keras_compat._loop import current_strategy
 from keras_dist._keras_compat._processes import prepare_call
+from keras_dist._keras_compat._wrapped import marked
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._base import Strategy
@@ -70,7 +71,7 @@ def _entry_point(method: Callable) -> Callable:
                 _reattach(model, snapshot)
                 raise
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -110,7 +111,7 @@ def _step_builder(method: Callable) -> Callable:
             force = True  # A cached step carries the old placement.
         return method(model, force=force)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import keras
 
+from keras_dist._keras_compat._wrapped import marked
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 from keras_dist.strategies.replica._replica_context import in_replica_context, varies
 
@@ -54,7 +55,7 @@ def _add_variable_from_reference(method: Callable) -> Callable:
                 reference_variable = _WithLayout(reference_variable, layout)
         return method(optimizer, reference_variable, *args, **kwargs)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -80,7 +81,7 @@ def _stateless_apply(method: Callable) -> Callable:
             ]
         return method(optimizer, optimizer_variables, grads, trainable_variables)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -93,7 +94,7 @@ def _check_finite(method: Callable) -> Callable:
             _check_same_on_every_replica(grads)
         return method(optimizer, grads)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 

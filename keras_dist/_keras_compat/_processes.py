@@ -14,6 +14,7 @@ chief writes for all. `predict` gathers its outputs on every process.
 import hashlib
 import json
 import zlib
+from typing import Any
 
 import jax
 import keras
@@ -69,12 +70,16 @@ def _weights_digest(model) -> str:
         value = getattr(v, "_value", None)
         if isinstance(value, jax.Array) and value.sharding.is_fully_replicated:
             local = np.asarray(value.addressable_shards[0].data)
-            crc = zlib.crc32(np.ascontiguousarray(local).view(np.uint8), crc)
+            crc = zlib.crc32(
+                # numpy declares `ndarray.__buffer__` for Python >= 3.12 only.
+                np.ascontiguousarray(local).view(np.uint8),  # type: ignore[arg-type]
+                crc,
+            )
     return f"{crc:08x}"
 
 
 def _describe_call(method: str, model, arguments: dict) -> dict:
-    call = {"method": method, "model": _model_digest(model)}
+    call: dict[str, Any] = {"method": method, "model": _model_digest(model)}
     if method == "fit":
         call["weights"] = _weights_digest(model)
     for name in _CHECKED_ARGS:
@@ -122,6 +127,7 @@ def prepare_call(method: str, model, arguments: dict) -> None:
         )
     if method == "fit":
         state = np.random.get_state()
+        assert isinstance(state, tuple)  # The global generator's: MT19937.
         chief_state = _sync.broadcast_from_chief(
             "numpy-random-state",
             [state[0], state[1].tolist(), int(state[2]), int(state[3]), state[4]],

@@ -25,6 +25,7 @@ import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -309,7 +310,9 @@ def snapshot(
         recorded = record(model, with_config=with_config)
     keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
     frozen = freeze([recorded.entries[i][2][k] for i, k in keys], to_host_arrays=True)
-    entries = [(path, metadata, {}) for path, metadata, _ in recorded.entries]
+    entries: list[tuple[str, Any, dict[str, Any]]] = [
+        (path, metadata, {}) for path, metadata, _ in recorded.entries
+    ]
     for (i, k), value in zip(keys, frozen, strict=True):
         entries[i][2][k] = value
     return Snapshot(
@@ -339,6 +342,7 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             store.close()
         return
     with open(path, "wb") as f, zipfile.ZipFile(f, "w") as zf:
+        assert snap.metadata_json is not None  # Recorded with the config.
         with zf.open(_METADATA_FILENAME, "w") as meta:
             meta.write(snap.metadata_json.encode())
         with zf.open(_CONFIG_FILENAME, "w") as config:

@@ -58,6 +58,7 @@ from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
 from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
+from keras_dist._keras_compat._wrapped import marked
 from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies.state._split_values import (
     compute_split,
@@ -100,7 +101,7 @@ def _initialize_with_initializer(method: Callable) -> Callable:
                     return None
         return method(variable, initializer)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -185,7 +186,7 @@ def _assign(method: Callable) -> Callable:
                 value = put_split(value, sharding)
         return method(variable, value)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -213,7 +214,7 @@ def _direct_assign(method: Callable) -> Callable:
         ):
             variable._value = jax.device_put(current, sharding)
 
-    wrapper._keras_dist_wrapped = method
+    marked(wrapper, method)
     return wrapper
 
 
@@ -245,6 +246,7 @@ _JOINING = frozenset(function.__code__ for function in joining_functions())
 def variable_value(value: property) -> property:
     """`JaxVariable.value`, in device memory where it joins a computation."""
     read = value.fget
+    assert read is not None, "Keras's `value` property has a getter"
 
     @functools.wraps(read)
     def value_for_reader(variable):
@@ -255,13 +257,16 @@ def variable_value(value: property) -> property:
         kind = getattr(stored.sharding, "memory_kind", None)
         if kind in (_DEVICE, None) or _in_device_memory(result):
             return result
-        caller = inspect.currentframe().f_back
-        if not is_in_jax_tracing_scope() and caller.f_code not in _JOINING:
+        frame = inspect.currentframe()
+        caller = frame.f_back if frame is not None else None
+        if not is_in_jax_tracing_scope() and (
+            caller is None or caller.f_code not in _JOINING
+        ):
             return result  # Read as stored: by a user, the trainer, saving.
         # Also a traced read (its autocast included): a transfer in the program.
         return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
 
-    value_for_reader._keras_dist_wrapped = read
+    marked(value_for_reader, read)
     return property(value_for_reader, value.fset, value.fdel, value.__doc__)
 
 

@@ -4,6 +4,9 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 import jax
 import keras
@@ -19,6 +22,9 @@ from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
 
 __all__ = ["BackupAndRestore"]
+
+# What `signal.signal` returns and takes.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -112,9 +118,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store = None
+        self._store: BackupStore | None = None
         self._preempted = threading.Event()
-        self._previous_handler = None
+        self._previous_handler: _SignalHandler = None
         self._step_end = StepEnd()
 
     # Life cycle ---------------------------------------------------------
@@ -151,15 +157,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         if finished is None:
             return
         self._step_in_epoch = finished + 1
-        self._store.check()  # A background write that failed raises here.
+        self._open_store().check()  # A background write that failed raises here.
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch)
             self._exit_preempted()
-        if self.save_freq != "epoch" and self._steps_since_save() >= self.save_freq:
+        if (
+            isinstance(self.save_freq, int)  # Not "epoch".
+            and self._steps_since_save() >= self.save_freq
+        ):
             self._save(self._epoch, self._step_in_epoch)
 
     def _exit_preempted(self) -> None:
-        self._store.wait()  # On disk before the process exits.
+        self._open_store().wait()  # On disk before the process exits.
         if is_chief():
             print(
                 # Epochs counted from 1, as Keras's progress bar and
@@ -187,7 +196,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         finished = self._step_end.epoch_end()  # The epoch's last execution.
         if finished is not None:
             self._step_in_epoch = finished + 1
-        self._store.check()
+        self._open_store().check()
         self._save(epoch + 1, 0)
         if finished is not None and self._preemption_noticed():
             self._exit_preempted()
@@ -207,12 +216,17 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # State ----------------------------------------------------------------
 
+    def _open_store(self) -> BackupStore:
+        """The store of this `fit` (from `on_train_begin` to `_release`)."""
+        assert self._store is not None, "BackupAndRestore: no `fit` running"
+        return self._store
+
     def _save(self, epoch: int, step: int) -> None:
         sync_state(self.model)
         self._saved_step = step
         epoch, step = self._position(epoch, step)
         strategy = strategy_of_model(self.model)
-        self._store.save(
+        self._open_store().save(
             self.model,
             step_counter(self.model.optimizer),
             {
@@ -226,8 +240,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step
 
-    def _restore(self, call) -> None:
-        meta = self._store.restore(self.model)
+    def _restore(self, call: _call.CallState | None) -> None:
+        meta = self._open_store().restore(self.model)
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]

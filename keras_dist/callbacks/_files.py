@@ -38,7 +38,7 @@ def check_writable_dir(path: str, *, argument: str) -> str:
     return directory
 
 
-def atomic_write(final_path: str, write: Callable[[str], None]) -> None:
+def atomic_write(final_path: str, write: Callable[[str], object]) -> None:
     """Calls `write(tmp_path)` then renames `tmp_path` to `final_path`.
 
     The temporary file sits in the same directory and ends with the same

@@ -15,6 +15,8 @@ optimizer's step counter, so changing the rate never recompiles:
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ class ControlledLearningRate(keras.optimizers.schedules.LearningRateSchedule):
 
     def __init__(self, value: keras.Variable):
         self.value = value
-        self.step_fn = None
+        self.step_fn: Callable[[Any], Any] | None = None
         self.warmup: tuple[float, float, int] | None = None
 
     def __call__(self, step):
@@ -108,7 +110,7 @@ def plain_learning_rate(model: keras.Model):
     """Within: the optimizer's learning rate is its variable (for saving)."""
     optimizer = getattr(model, "optimizer", None)
     control = getattr(optimizer, "_learning_rate", None)
-    if not isinstance(control, ControlledLearningRate):
+    if optimizer is None or not isinstance(control, ControlledLearningRate):
         yield
         return
     optimizer._learning_rate = control.value

@@ -85,8 +85,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         self._takes_lr = _takes_lr(schedule)
         self._in_step = per == "step" and not self._takes_lr and is_traceable(schedule)
         self._epoch_start = 0
-        self._checked_to = None  # Checked below this step (unknown epoch length).
-        self._bad = None  # The first bad (step, rate) found ahead.
+        # Checked below this step (unknown epoch length).
+        self._checked_to: int | None = None
+        self._bad: tuple[int, Any] | None = None  # The first bad (step, rate) ahead.
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         control = controlled(self.model)
@@ -137,10 +138,11 @@ class LearningRateScheduler(keras.callbacks.Callback):
 
     def _check_through(self, last: int) -> None:
         """Raises if a step up to `last` has a bad rate (evaluating ahead)."""
-        while self._bad is None and self._checked_to <= last:
-            low = self._checked_to
+        low = self._checked_to
+        assert low is not None  # Only for an unknown epoch length.
+        while self._bad is None and low <= last:
             self._bad = _first_bad(self.schedule, low, low + _CHUNK)
-            self._checked_to = low + _CHUNK
+            low = self._checked_to = low + _CHUNK
         if self._bad is not None and self._bad[0] <= last:
             _raise_bad(*self._bad)
 
@@ -167,7 +169,9 @@ class LearningRateScheduler(keras.callbacks.Callback):
         release(self.model)  # The last rate stays, as a plain variable.
 
 
-def _first_bad(schedule, start: int, stop: int):
+def _first_bad(
+    schedule: Callable[..., Any], start: int, stop: int
+) -> tuple[int, Any] | None:
     """`(step, rate)` of the first NaN or negative rate in [start, stop), or None.
 
     Evaluates as the compiled step does (float32 step in, float32 rate out):
@@ -195,12 +199,12 @@ def _first_bad(schedule, start: int, stop: int):
     return start + int(bad[0]), rates[bad[0]]
 
 
-def _raise_bad(step: int, rate) -> None:
+def _raise_bad(step: int, rate: Any) -> None:
     # The float32 rate, printed as short as it round-trips (-0.1, not -0.100000001).
     check_rate(float(str(np.float32(rate))), what=f"`schedule` at step {step}")
 
 
-def _takes_lr(schedule) -> bool:
+def _takes_lr(schedule: Callable[..., Any]) -> bool:
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return False
     try:

@@ -5,6 +5,7 @@ import os
 import string
 import tempfile
 import time
+from typing import Any
 
 import jax
 import keras
@@ -13,6 +14,7 @@ from jax.experimental import multihost_utils
 from keras_dist._checks import check_int
 from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist._keras_compat._saving import (
+    Snapshot,
     record,
     reusable,
     snapshot,
@@ -114,8 +116,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         save_interval_seconds: float | None = None,
         async_save: bool = True,
         sharded: bool = False,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         filepath = os.fspath(filepath)
         weights_only = kwargs.get("save_weights_only", False)
         for name, flag in (("async_save", async_save), ("sharded", sharded)):
@@ -176,13 +178,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         )
         self._sharded: ShardedCheckpoints | None = None
         self._last_save = time.monotonic()
-        self._recorded = None
+        self._recorded: Snapshot | None = None
         self._step_end = StepEnd()
         self._logs_each_step = self.save_freq != "epoch" and (
             self.save_best_only or _formats_logs(filepath)
         )
         if self._logs_each_step:  # Keras's hook: the step's logs, each step.
-            self.on_train_batch_end = self._after_execution  # type: ignore[method-assign]
+            self.on_train_batch_end = self._after_execution
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
@@ -215,7 +217,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         """Keras's per-step checks and save, then the write and interval checks."""
         keras.callbacks.ModelCheckpoint.on_train_batch_end(self, batch, logs)
         self._check()  # A background write that failed raises here.
-        if self.save_interval_seconds is not None and self._interval_passed():
+        interval = self.save_interval_seconds
+        if interval is not None and self._interval_passed(interval):
             self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -264,13 +267,13 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             if sharded is not None:
                 sharded.close()
 
-    def _interval_passed(self) -> bool:
-        due = time.monotonic() - self._last_save >= self.save_interval_seconds
+    def _interval_passed(self, interval: float) -> bool:
+        due = time.monotonic() - self._last_save >= interval
         if jax.process_count() > 1:  # The chief's clock decides for all.
             due = bool(multihost_utils.broadcast_one_to_all(int(due)))
         return due
 
-    def _save_model(self, epoch, batch, logs):
+    def _save_model(self, epoch: int, batch: int | None, logs: dict | None) -> None:
         if self.save_best_only and batch is None:
             check_monitor(self.monitor, logs)
         filepath = self._get_file_path(epoch, batch, logs)
@@ -280,6 +283,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         sync_state(self.model)
         step = step_counter(self.model.optimizer)
         if self.sharded:
+            assert self._sharded is not None  # Made by on_train_begin.
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 path = self._sharded.save(
                     self.model, step, weights_only=self.save_weights_only
@@ -363,7 +367,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _kept_forever(self, filepath: str) -> bool:
         step = self._steps.get(filepath)
         period = self.keep_period
-        return bool(period) and step is not None and step % period == 0
+        if not period or step is None:
+            return False
+        return step % period == 0
 
     def _write_index(self, *, done: bool) -> None:
         """The `checkpoint` index: newest last, each file's epoch, `done`.

@@ -247,7 +247,7 @@ class SidecarEvaluator:
         )
 
 
-def _check_seconds(name: str, value) -> None:
+def _check_seconds(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(
             f"`{name}` must be a number of seconds. Received: {name}={value!r} "

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+from typing import Any
 
 import hostlist
 
@@ -82,7 +83,7 @@ class SlurmClusterResolver(ClusterResolver):
             are inconsistent or unreadable.
     """
 
-    def __init__(self, port: int | None = None, **fields):
+    def __init__(self, port: int | None = None, **fields: Any) -> None:
         if "coordinator_address" not in fields:
             fields = _slurm_fields(port)
         super().__init__(**fields)

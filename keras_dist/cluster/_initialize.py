@@ -3,10 +3,12 @@
 import math
 import os
 import sys
+from types import TracebackType
+from typing import Any
 
 import jax
 
-from keras_dist._backend import backend_started, size_cpu_thread_pool
+from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
 from keras_dist.cluster._environment import check_address, resolve
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -32,7 +34,11 @@ def _exit_fast_on_errors() -> None:
     """
     previous = sys.excepthook
 
-    def hook(kind, value, traceback):
+    def hook(
+        kind: type[BaseException],
+        value: BaseException,
+        traceback: TracebackType | None,
+    ) -> None:
         previous(kind, value, traceback)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -41,7 +47,7 @@ def _exit_fast_on_errors() -> None:
     sys.excepthook = hook
 
 
-def _check_timeout(timeout) -> None:
+def _check_timeout(timeout: Any) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise TypeError(
             "`timeout` must be a number of seconds, e.g. 300. Received: "
@@ -129,8 +135,9 @@ def initialize(
             "join a cluster. Create the strategy (or call "
             "`kd.cluster.initialize()`) before any other JAX or Keras computation."
         )
-    local = jax.config.jax_platforms or "default backend"
-    if jax.config.jax_platforms in (None, "", "cpu") or "cpu" in str(local):
+    platforms = jax_option("jax_platforms")
+    local = platforms or "default backend"
+    if platforms in (None, "", "cpu") or "cpu" in str(local):
         jax.config.update(
             "jax_cpu_collectives_implementation",
             "gloo" if implementation == "auto" else implementation,
@@ -143,7 +150,7 @@ def initialize(
     )
     if resolver.source != "jax":  # Every process there, or a named error.
         timeout = roll_call(resolver, timeout)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if resolver.source != "jax":
         kwargs = {
             "coordinator_address": resolver.coordinator_address,

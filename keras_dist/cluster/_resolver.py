@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+from typing import Any
 
 from keras_dist._checks import check_int
 from keras_dist.errors import ClusterConfigError
@@ -16,7 +17,7 @@ __all__ = [
 _ADDRESS = re.compile(r"^(?P<host>\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[^:]+)$")
 
 
-def parse_address(address, *, where: str) -> tuple[str, int]:
+def parse_address(address: Any, *, where: str) -> tuple[str, int]:
     """`"host:port"` -> `(host, port)`; errors quote `where` and the address.
 
     Raises:
@@ -83,7 +84,9 @@ class ClusterResolver:
         )
 
 
-def check_processes(coordinator_address, num_processes, process_id) -> None:
+def check_processes(
+    coordinator_address: Any, num_processes: Any, process_id: Any
+) -> None:
     """Refuses a bad address, process count or process index.
 
     Raises:
@@ -118,8 +121,12 @@ class SimpleClusterResolver(ClusterResolver):
     """
 
     def __init__(
-        self, coordinator_address: str, num_processes: int, process_id: int, **fields
-    ):
+        self,
+        coordinator_address: str,
+        num_processes: int,
+        process_id: int,
+        **fields: Any,
+    ) -> None:
         check_processes(coordinator_address, num_processes, process_id)
         fields = {"task_id": process_id, "source": "explicit", **fields}
         super().__init__(coordinator_address, num_processes, process_id, **fields)

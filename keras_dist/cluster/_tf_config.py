@@ -2,6 +2,7 @@
 
 import json
 import os
+from typing import Any
 
 from keras_dist.cluster._resolver import ClusterResolver, parse_address
 from keras_dist.errors import ClusterConfigError
@@ -45,8 +46,8 @@ class TFConfigClusterResolver(ClusterResolver):
         task_id: int | None = None,
         *,
         tf_config: "str | dict | None" = None,
-        **fields,
-    ):
+        **fields: Any,
+    ) -> None:
         if "coordinator_address" not in fields:
             fields = _resolve(task_type, task_id, tf_config)
         else:
@@ -54,7 +55,9 @@ class TFConfigClusterResolver(ClusterResolver):
         super().__init__(**fields)
 
 
-def _resolve(task_type, task_id, tf_config) -> dict:
+def _resolve(
+    task_type: str | None, task_id: int | None, tf_config: "str | dict | None"
+) -> dict:
     """The `ClusterResolver` fields TF_CONFIG describes."""
     config = _load(tf_config)
     cluster = config.get("cluster")
@@ -115,7 +118,7 @@ def _resolve(task_type, task_id, tf_config) -> dict:
     }
 
 
-def _load(tf_config) -> dict:
+def _load(tf_config: "str | dict | None") -> dict:
     if tf_config is None:
         tf_config = os.environ.get("TF_CONFIG")
         if tf_config is None:
@@ -137,7 +140,8 @@ def _load(tf_config) -> dict:
 
 
 def _cluster_spec(cluster: dict) -> dict[str, list[str]]:
-    spec, seen = {}, {}
+    spec: dict[str, list[str]] = {}
+    seen: dict[tuple[str, int], str] = {}
     for role, addresses in cluster.items():
         if role not in ROLES:
             raise ClusterConfigError(

@@ -56,7 +56,7 @@ def group_of(batches: list) -> BatchGroup | None:
     object in all of them or a `jax.Array` of one shape and dtype.
     """
     flat = [jax.tree.flatten(batch) for batch in batches]
-    treedef = flat[0][1]
+    treedef: jax.tree_util.PyTreeDef = flat[0][1]
     if any(other != treedef for _, other in flat[1:]):
         return None
     columns = list(zip(*(leaves for leaves, _ in flat), strict=True))

@@ -31,6 +31,18 @@ __all__ = [
 ]
 
 
+class _OnePass:
+    """Starts the one pass over an iterator (`one_shot`: no second pass)."""
+
+    one_shot = True
+
+    def __init__(self, iterator: Iterator[Any]):
+        self._iterator = iterator
+
+    def __call__(self) -> Iterator[Any]:
+        return self._iterator
+
+
 def _host_batches(dataset: Any) -> Callable[[], Iterator[Any]]:
     """A function that starts a new pass over `dataset`, yielding host batches."""
     if is_tf_dataset(dataset):
@@ -38,11 +50,7 @@ def _host_batches(dataset: Any) -> Callable[[], Iterator[Any]]:
     if isinstance(dataset, Iterator):
         # One pass only: it is an iterator already. Nothing may read ahead of
         # the user's loop (what it took could never be given back).
-        def one_pass() -> Iterator[Any]:
-            return dataset
-
-        one_pass.one_shot = True
-        return one_pass
+        return _OnePass(dataset)
     if isinstance(dataset, Iterable):
         return lambda: iter(dataset)
     raise TypeError(
@@ -140,10 +148,10 @@ def _options(options: InputOptions | None) -> InputOptions:
 
 
 def distribute_dataset(
-    strategy: InputTarget, dataset: Any, options=None
+    strategy: InputTarget, dataset: Any, options: InputOptions | None = None
 ) -> DistributedDataset:
     options = _options(options)
-    checks = {"argument": "dataset", "per_replica": False}
+    checks: dict[str, Any] = {"argument": "dataset", "per_replica": False}
     _input_checks.check_dataset(dataset, **checks)
     source = type(dataset).__name__
     dataset = per_process_share(strategy, dataset)
@@ -171,7 +179,9 @@ def _grouped(batches: Iterator[Any], group: int) -> Iterator[Any]:
 
 
 def distribute_datasets_from_function(
-    strategy: InputTarget, dataset_fn: Callable[[InputContext], Any], options=None
+    strategy: InputTarget,
+    dataset_fn: Callable[[InputContext], Any],
+    options: InputOptions | None = None,
 ) -> DistributedDataset:
     options = _options(options)
     if not callable(dataset_fn):
@@ -184,7 +194,10 @@ def distribute_datasets_from_function(
         num_replicas_in_sync=strategy.num_replicas_in_sync,
     )
     dataset = dataset_fn(context)
-    checks = {"argument": "dataset_fn(input_context)", "per_replica": True}
+    checks: dict[str, Any] = {
+        "argument": "dataset_fn(input_context)",
+        "per_replica": True,
+    }
     _input_checks.check_dataset(dataset, **checks)
     start = _input_checks.first_element_checked(
         _host_batches(dataset), dataset, **checks

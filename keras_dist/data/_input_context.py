@@ -141,7 +141,7 @@ class InputOptions:
     device_resident_budget: int = 256 * 2**20
     fuse_steps: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_int(
             self.device_resident_budget,
             name="device_resident_budget",

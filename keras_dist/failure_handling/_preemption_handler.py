@@ -5,7 +5,8 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from types import FrameType
+from typing import Any, Protocol
 
 import jax
 import keras
@@ -21,6 +22,17 @@ from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.failure_handling._termination_config import TerminationConfig
 
 __all__ = ["PreemptionCheckpointHandler"]
+
+# What `signal.signal` returns and takes.
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class _Manager(Protocol):
+    """What saves and restores for `PreemptionCheckpointHandler`."""
+
+    def save(self, number: int, meta: dict) -> None: ...
+
+    def restore(self) -> dict | None: ...
 
 
 class _ModelState:
@@ -53,7 +65,7 @@ class _ModelState:
         return self.model.non_trainable_variables
 
     @property
-    def optimizer(self):
+    def optimizer(self) -> keras.Optimizer | None:
         return self.model.optimizer
 
     @property
@@ -68,7 +80,9 @@ class _ModelState:
         return self._store.restore(self)
 
 
-def _manager(checkpoint_or_manager, checkpoint_dir):
+def _manager(
+    checkpoint_or_manager: Any, checkpoint_dir: "str | os.PathLike | None"
+) -> _Manager:
     if isinstance(checkpoint_or_manager, keras.Model):
         if checkpoint_dir is None:
             raise ValueError(
@@ -171,7 +185,7 @@ class PreemptionCheckpointHandler:
         self._final_run: int | None = None
         self._watcher_fired = False
         self._notice = threading.Event()
-        self._previous_handler = None
+        self._previous_handler: _SignalHandler = None
         meta = self._manager.restore()
         if meta is not None:
             self._run_counter = int(meta["total_run_calls"])

@@ -52,7 +52,7 @@ class TerminationConfig:
     grace_period: float | None = None
     save_fn: Callable[[], None] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("termination_watcher_fn", "exit_fn", "save_fn"):
             value = getattr(self, name)
             if value is not None and not callable(value):

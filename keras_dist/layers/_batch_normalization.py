@@ -98,8 +98,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         epsilon: float = 1e-3,
         *,
         synchronized: bool = False,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(synchronized, bool):
             raise TypeError(
                 "`synchronized` must be True (statistics of the global batch) "
@@ -124,7 +124,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         return self._per_replica(inputs, mask, layout)
 
-    def _moments(self, inputs, mask):
+    def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
         context = in_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             if mask is None:  # Keras's, whose JAX op refuses `synchronized`.
@@ -140,7 +140,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         )
         return mean, variance
 
-    def _per_replica(self, inputs, mask, layout: ReplicaRows):
+    def _per_replica(self, inputs: Any, mask: Any, layout: ReplicaRows) -> jax.Array:
         """A step of `fit` (one program over the global batch's real rows)."""
         axis = self._checked(inputs, mask)
         if inputs.shape[0] != layout.real_rows:
@@ -166,7 +166,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             jnp.mean(variance, axis=0),
         )
 
-    def _in_replica(self, inputs, mask, context: ReplicaContext):
+    def _in_replica(self, inputs: Any, mask: Any, context: ReplicaContext) -> jax.Array:
         """Inside `strategy.run`: this replica's rows only."""
         axis = self._checked(inputs, mask)
         x = inputs.astype(self._stats_dtype(inputs))
@@ -189,7 +189,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             jax.lax.psum(real * variance, AXIS) / replicas,
         )
 
-    def _checked(self, inputs, mask) -> int:
+    def _checked(self, inputs: Any, mask: Any) -> int:
         """The channel axis (positive); Keras's mask check; refuses renorm."""
         if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
             raise ValueError(
@@ -208,11 +208,18 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return axis
 
     @staticmethod
-    def _stats_dtype(inputs) -> str:
+    def _stats_dtype(inputs: Any) -> str:
         # As Keras: statistics in float32 at least (bf16/fp16 overflow).
         return keras.backend.result_type(inputs.dtype, "float32")
 
-    def _normalize(self, x, mean, variance, batch_mean, batch_variance):
+    def _normalize(
+        self,
+        x: jax.Array,
+        mean: jax.Array,
+        variance: jax.Array,
+        batch_mean: jax.Array,
+        batch_variance: jax.Array,
+    ) -> jax.Array:
         """Keras's normalization with per-row moments; moving averages updated."""
         shape = [1] * x.ndim
         shape[self.axis % x.ndim] = x.shape[self.axis]
@@ -232,7 +239,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return (x * inv + res).astype(self.compute_dtype)
 
 
-def _weights(inputs, mask, context: ReplicaContext):
+def _weights(inputs: Any, mask: Any, context: ReplicaContext) -> jax.Array | None:
     """Which values of this replica's `inputs` count: real rows, Keras's mask."""
     weights = None if mask is None else broadcast_mask(mask, inputs)
     rows = context.example_mask(inputs.shape[0])

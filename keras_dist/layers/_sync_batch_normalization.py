@@ -1,5 +1,7 @@
 """`SyncBatchNormalization`: statistics of the global batch, over all replicas."""
 
+from typing import Any
+
 import keras
 
 from keras_dist.layers._batch_normalization import BatchNormalization
@@ -55,8 +57,8 @@ class SyncBatchNormalization(BatchNormalization):
         axis: int = -1,
         momentum: float = 0.99,
         epsilon: float = 1e-3,
-        **kwargs,
-    ):
+        **kwargs: Any,
+    ) -> None:
         synchronized = kwargs.pop("synchronized", True)
         if synchronized is not True:
             raise ValueError(

@@ -391,7 +391,7 @@ class Strategy(keras.distribution.DataParallel):
 install_moved_methods(Strategy)
 
 
-def _check_same_variable(variable) -> None:
+def _check_same_variable(variable: keras.Variable) -> None:
     mine = [variable.path, list(variable.shape), str(variable.dtype)]
     everyone = _sync.allgather("variable", mine)
     if all(other[1:] == mine[1:] for other in everyone):

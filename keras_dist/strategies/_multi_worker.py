@@ -39,7 +39,7 @@ class CommunicationOptions:
     timeout_seconds: float = 300.0
     implementation: str = "auto"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         t = self.timeout_seconds
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise ValueError(

@@ -2,6 +2,7 @@
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.strategies._base import Strategy
@@ -103,7 +104,7 @@ class ParameterServerStrategy(Strategy):
         return self._variable_partitioner
 
 
-def _check_divides_mesh(partitioner, devices: int) -> None:
+def _check_divides_mesh(partitioner: Any, devices: int) -> None:
     if not isinstance(partitioner, FixedShardsPartitioner):
         return
     shards = partitioner.num_shards

@@ -124,7 +124,11 @@ def loops_slowly(fused: Callable, state: Any, group: BatchGroup) -> bool:
         for leaf in jax.tree.leaves((state, group.shared, group.varying))
         if isinstance(leaf, jax.Array)
     ]
-    if not arrays or any(d.platform != "cpu" for d in arrays[0].sharding.device_set):
+    if not arrays:
+        return False
+    # Annotated: jax's stubs leave the type of `device_set`'s items unresolved.
+    devices: set[jax.Device] = arrays[0].sharding.device_set
+    if any(d.platform != "cpu" for d in devices):
         return False
     # Shapes only: state kept in host memory (CentralStorage) is brought to
     # the devices by the compiled program's wrapper, not by `fused`.

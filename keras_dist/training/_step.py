@@ -81,6 +81,7 @@ class StepProgram:
         With the state kept outside device memory, moving it in is the
         program's first operation.
         """
+        assert self._jit is not None  # Only a compiled step compiles.
         if self.strategy.state_layout.off_device:
             program = _state_moved_in(program, self.strategy)
         return self._jit(program)

@@ -137,7 +137,7 @@ class ScalingReport(keras.callbacks.Callback):
         self._call = _call.active()  # The fit's: its input and step timings.
         self._epochs: list[Interval] = []
         self._warm: Interval | None = None  # Epoch 1 after its first step.
-        self._first_step = None
+        self._first_step: float | None = None  # Seconds (compiling included).
         self._start = time.perf_counter()
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -252,7 +252,7 @@ class ScalingReport(keras.callbacks.Callback):
         """The one-screen summary of `result`."""
         r = self.result
 
-        def number(value, unit="", digits=2):
+        def number(value: float | None, unit: str = "", digits: int = 2) -> str:
             return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
         lines = [

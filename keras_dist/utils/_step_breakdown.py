@@ -54,14 +54,16 @@ def step_breakdown(timed: list[Interval]) -> dict | None:
     if not steps:
         return None
     wall = sum(i.seconds for i in timed)
-    parts = {
-        "input": sum(i.tally.input_seconds for i in timed),
-        "dispatch": sum(i.tally.dispatch_seconds for i in timed),
+    input_seconds = sum(i.tally.input_seconds for i in timed)
+    dispatch_seconds = sum(i.tally.dispatch_seconds for i in timed)
+    parts: dict[str, float | None] = {
+        "input": input_seconds,
+        "dispatch": dispatch_seconds,
+        "device": max(0.0, wall - (input_seconds + dispatch_seconds)),
     }
-    parts["device"] = max(0.0, wall - sum(parts.values()))
     if not any(i.tally.input_batches for i in timed):
         parts["input"] = None
-    breakdown = {"step_ms": wall / steps * 1e3}
+    breakdown: dict[str, float | None] = {"step_ms": wall / steps * 1e3}
     for name, seconds in parts.items():
         breakdown[f"{name}_ms"] = None if seconds is None else seconds / steps * 1e3
         breakdown[f"{name}_share"] = None if seconds is None else seconds / wall

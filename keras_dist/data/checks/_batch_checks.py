@@ -57,8 +57,8 @@ class BatchSignature:
 
     def __init__(self, source: str):
         self._source = source
-        self._key = None
-        self._first = None
+        self._key: tuple[jax.tree_util.PyTreeDef, tuple] | None = None
+        self._first: tuple = ()  # The first batch's `_signature`.
 
     def check(self, batch: Any, index: int) -> None:
         """Raises ValueError if `batch` (the `index`-th) differs from the first."""
@@ -254,8 +254,8 @@ def _name(item: Any) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict):
-        return item.get("config", {}).get("name") or item.get("class_name")
-    return getattr(item, "name", None) or getattr(item, "__name__", repr(item))
+        return str(item.get("config", {}).get("name") or item.get("class_name"))
+    return str(getattr(item, "name", None) or getattr(item, "__name__", repr(item)))
 
 
 def _output_width(model: Any) -> int | None:

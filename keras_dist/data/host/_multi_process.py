@@ -63,7 +63,11 @@ def _checksum(data: Any) -> int:
     crc = 0
     for leaf in jax.tree.leaves(data):
         if _is_array(leaf):
-            crc = zlib.crc32(np.ascontiguousarray(leaf).view(np.uint8), crc)
+            crc = zlib.crc32(
+                # numpy declares `ndarray.__buffer__` for Python >= 3.12 only.
+                np.ascontiguousarray(leaf).view(np.uint8),  # type: ignore[arg-type]
+                crc,
+            )
     return crc
 
 

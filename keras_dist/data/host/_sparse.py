@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import sparse as jax_sparse
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -116,7 +117,7 @@ def to_bcoo(leaf: Any) -> jax_sparse.BCOO:
         return jax_sparse.BCOO.from_scipy_sparse(leaf)
     if _is_tf_sparse(leaf):
         return jax_sparse.BCOO(
-            (np.asarray(leaf.values), np.asarray(leaf.indices)),
+            (jnp.asarray(leaf.values), jnp.asarray(leaf.indices)),
             shape=tuple(int(d) for d in leaf.dense_shape),
         )
     raise TypeError(

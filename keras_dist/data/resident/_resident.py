@@ -104,7 +104,9 @@ class ResidentPass:
             )
         self._strategy = strategy
         self._resident = resident
-        self._indices = (_as_indices(i, resident.rows) for i in index_batches)
+        self._indices: Iterator[np.ndarray] = (
+            _as_indices(i, resident.rows) for i in index_batches
+        )
         self._call = call
         self._first = True
         self._read_ahead = read_ahead
@@ -115,7 +117,8 @@ class ResidentPass:
         self._replicas = strategy.num_replicas_in_sync
         # (treedef, is_shared, shared) of a `BatchGroup`: of stacked indices,
         # and of rows of the table.
-        self._group_form = self._table_form = None
+        self._group_form: _GroupForm | None = None
+        self._table_form: _GroupForm | None = None
 
     def skip(self, count: int) -> int:
         """Passes over `count` batches (a resumed `fit`); returns how many."""
@@ -270,7 +273,11 @@ class ResidentPass:
         self._table_form = None
 
 
-def _group_form(batch: ResidentBatch) -> tuple:
+# (treedef, is_shared, shared): the fields of a `BatchGroup` but `varying`.
+_GroupForm = tuple[Any, tuple[bool, ...], tuple]
+
+
+def _group_form(batch: ResidentBatch) -> _GroupForm:
     """The `BatchGroup` fields of groups of `batch`'s form whose last leaf varies."""
     leaves, treedef = jax.tree.flatten(batch)
     return treedef, (True,) * (len(leaves) - 1) + (False,), tuple(leaves[:-1])
@@ -319,27 +326,26 @@ def lay_out_pass(
     if len(numbers) < max(steps, 1):  # The first pass: kept for the next ones.
         numbers[:] = strategy.step_numbers(max(steps, 1))
     if resident.replica_rows is not None:
-        return _exchanged(strategy, resident, batches, steps)
-    blocked = resident.block_rows is not None
-    layout = PassLayout(resident.arrays, blocked, steps=steps)
+        return _exchanged(strategy, resident, resident.replica_rows, batches, steps)
+    block_rows = resident.block_rows
+    layout = PassLayout(resident.arrays, block_rows is not None, steps=steps)
     if not steps:
         return layout  # Every batch padded: laid out one by one.
     table = np.stack(batches[:steps])
-    if not blocked:
+    if block_rows is None:
         layout.table = strategy.lay_out_steps(table)
         return layout
     in_order = np.array_equal(table.ravel(), np.arange(table.size))
-    if not (in_order and size == resident.block_rows):
+    if not (in_order and size == block_rows):
         order = "" if in_order else " out of order"
-        raise not_blocks(
-            resident.block_rows, f"this pass reads batches of {size} rows{order}"
-        )
+        raise not_blocks(block_rows, f"this pass reads batches of {size} rows{order}")
     return layout
 
 
 def _exchanged(
     strategy: InputTarget,
     resident: ResidentData,
+    replica_rows: int,
     batches: list[np.ndarray],
     steps: int,
 ) -> PassLayout:
@@ -354,7 +360,7 @@ def _exchanged(
         real.append(len(indices) if padded != len(indices) else None)
     if not groups:
         return PassLayout(None, True)
-    laid = strategy.exchange_rows(resident.arrays, resident.replica_rows, groups)
+    laid = strategy.exchange_rows(resident.arrays, replica_rows, groups)
     arrays = None
     if steps:
         arrays, laid = laid[0], laid[1:]

@@ -115,9 +115,16 @@ def _keras_unflatten(_, children):
     return children[0]
 
 
-optree.register_pytree_node(
-    ResidentBatch, _keras_flatten, _keras_unflatten, namespace="keras"
-)
+def _register_for_keras(
+    cls: type,
+    flatten: Callable[[Any], tuple[Any, Any, Any]],
+    unflatten: Callable[[Any, Any], Any],
+) -> None:
+    """Registers `cls` as a node of Keras's trees (optree, namespace "keras")."""
+    optree.register_pytree_node(cls, flatten, unflatten, namespace="keras")
+
+
+_register_for_keras(ResidentBatch, _keras_flatten, _keras_unflatten)
 
 
 class ResidentElement:
@@ -168,17 +175,15 @@ jax.tree_util.register_pytree_node(
     lambda form: ((form.batch,), None),
     lambda _, children: keras_form(children[0]),
 )
-optree.register_pytree_node(
+_register_for_keras(
     ResidentTuple,
     lambda form: (tuple(form.batch.real_batch()), None, None),
     lambda _, children: tuple(children),
-    namespace="keras",
 )
-optree.register_pytree_node(
+_register_for_keras(
     ResidentElement,
     lambda element: ((element.batch.real_batch()[element.index],), None, None),
     lambda _, children: children[0],
-    namespace="keras",
 )
 
 

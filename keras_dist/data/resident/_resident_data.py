@@ -136,6 +136,8 @@ def lay_out_resident(
     if layout == COPY:
         arrays, treedef = jax.tree.flatten(strategy.lay_out_dataset(data))
         return ResidentData(arrays, treedef, rows)
+    if block_rows is None:
+        raise ValueError(f"The {layout} layout needs `block_rows`.")
     blocks, tail = strategy.lay_out_blocks(data, block_rows)
     arrays, treedef = jax.tree.flatten(blocks)
     return ResidentData(arrays, treedef, rows, jax.tree.leaves(tail), block_rows)

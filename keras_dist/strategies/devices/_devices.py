@@ -32,7 +32,7 @@ _FORMS = (
 
 def visible_devices() -> list[str]:
     """Names of every device this process can see, e.g. `["cpu:0", "cpu:1"]`."""
-    names = []
+    names: list[str] = []
     for platform in ("cpu", "gpu", "tpu"):
         names.extend(f"{platform}:{i}" for i in range(len(_local_devices(platform))))
     return names

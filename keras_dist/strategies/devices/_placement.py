@@ -292,11 +292,14 @@ class Placement:
         """The rows of a global batch of `rows` rows that live on this process."""
         found = self._row_ranges.get(rows)
         if found is None:
-            indices = self._data_sharding(1).addressable_devices_indices_map((rows,))
-            starts = [index[0].start or 0 for index in indices.values()]
+            found_indices = self._data_sharding(1).addressable_devices_indices_map(
+                (rows,)
+            )
+            # A NamedSharding gives every device its index (never None).
+            indices = [index for index in found_indices.values() if index is not None]
+            starts = [index[0].start or 0 for index in indices]
             stops = [
-                rows if index[0].stop is None else index[0].stop
-                for index in indices.values()
+                rows if index[0].stop is None else index[0].stop for index in indices
             ]
             found = self._row_ranges[rows] = slice(min(starts), max(stops))
         return found
@@ -320,7 +323,7 @@ class Placement:
         if not self.spans_processes and all(
             type(leaf) is np.ndarray for leaf in leaves
         ):  # A dense host batch (the common case): no sparse walk.
-            placed = [_place(a, self._data_sharding(a.ndim)) for a in leaves]
+            placed: list[Any] = [_place(a, self._data_sharding(a.ndim)) for a in leaves]
             self._remember_batches(placed, num_real)
             return jax.tree.unflatten(treedef, placed)
         leaves, treedef = jax.tree.flatten(data, is_leaf=_sparse.is_leaf)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_dist.data._partial_batch import real_mask, total_real
+from keras_dist.data._partial_batch import NumReal, real_mask, total_real
 from keras_dist.strategies.replica._parts import StrategyParts
 from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership
@@ -41,9 +41,10 @@ class ReplicaContext:
         strategy: StrategyParts,
         *,
         per_replica_batch: int | None = None,
-        num_real: "jax.Array | None" = None,
+        num_real: NumReal | None = None,
     ):
-        self.strategy = strategy
+        # None in the default context (`_DefaultReplicaContext`).
+        self.strategy: StrategyParts | None = strategy
         self.per_replica_batch = per_replica_batch
         self.num_real = num_real
         self._in_run = True
@@ -51,6 +52,7 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """Number of replicas taking part in the collectives."""
+        assert self.strategy is not None  # The default context has its own.
         return self.strategy.num_replicas_in_sync
 
     @property
@@ -148,7 +150,7 @@ class ReplicaContext:
 class _DefaultReplicaContext(ReplicaContext):
     """The context outside any strategy: one replica, collectives are identities."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.strategy = None
         self.per_replica_batch = None
         self.num_real = None
@@ -162,14 +164,14 @@ class _DefaultReplicaContext(ReplicaContext):
     def replica_id_in_sync_group(self) -> jax.Array:
         return jnp.asarray(0, dtype="int32")
 
-    def all_reduce(self, reduce_op, value):
+    def all_reduce(self, reduce_op: "ReduceOp | str", value: Any) -> Any:
         ReduceOp.parse(reduce_op)
         return value
 
-    def all_gather(self, value, axis=0):
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
         return value
 
-    def all_finite(self, value):
+    def all_finite(self, value: Any) -> jax.Array:
         return finite(value)
 
     def __repr__(self) -> str:
@@ -189,7 +191,7 @@ def all_replicas(flag: jax.Array) -> jax.Array:
     return jax.lax.pmin(flag.astype("int32"), AXIS).astype("bool")
 
 
-def varies(value, *, unknown: bool = True) -> bool:
+def varies(value: Any, *, unknown: bool = True) -> bool:
     """Whether JAX knows `value` (traced in `run`) to differ between replicas.
 
     `unknown` when this JAX version does not say (by default True:

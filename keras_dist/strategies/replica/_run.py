@@ -188,7 +188,7 @@ def _compile(strategy: StrategyParts, fn, treedef, kinds, statics, batch, values
         for kind in kinds
         if kind is not _Kind.STATIC
     ]
-    out = {}
+    out: dict[str, Any] = {}
 
     def body(varying, *vals):
         vals_it, statics_it = iter(vals), iter(statics)
@@ -223,13 +223,14 @@ def _compile(strategy: StrategyParts, fn, treedef, kinds, statics, batch, values
         )
         # Manual over the replicas only: on a 2-D mesh the model axis is
         # left to XLA, which splits each replica's work as its layouts say.
-        manual = {} if strategy.model_parallel == 1 else {"axis_names": {AXIS}}
+        # (On a 1-D mesh, shard_map's default: every axis.)
+        manual = frozenset() if strategy.model_parallel == 1 else {AXIS}
         return jax.shard_map(
             lambda *vals: body(varying, *vals),
             mesh=strategy.mesh,
             in_specs=tuple(specs),
             out_specs=out_specs,
-            **manual,
+            axis_names=manual,
         )
 
     jax.eval_shape(shard_mapped(None), *values)

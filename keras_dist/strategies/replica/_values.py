@@ -139,7 +139,9 @@ def concat_replicas(stacked: jax.Array, axis: int) -> jax.Array:
     return moved.reshape(*shape[:axis], merged, *shape[axis + 2 :])
 
 
-def foreign_mesh(strategy: StrategyParts, leaf: Any) -> "jax.sharding.Mesh | None":
+def foreign_mesh(
+    strategy: StrategyParts, leaf: Any
+) -> "jax.sharding.Mesh | jax.sharding.AbstractMesh | None":
     """The mesh of another strategy that `leaf` is split over, else None.
 
     `leaf` is another strategy's when it is a `PerReplica` made by the `run`
@@ -160,7 +162,7 @@ def foreign_mesh(strategy: StrategyParts, leaf: Any) -> "jax.sharding.Mesh | Non
 
 def foreign_batch_mesh(
     strategy: StrategyParts, array: jax.Array
-) -> "jax.sharding.Mesh | None":
+) -> "jax.sharding.Mesh | jax.sharding.AbstractMesh | None":
     """`foreign_mesh` of a `jax.Array`.
 
     Runs on every array argument of every `run`: replicated weights (an empty
@@ -183,7 +185,13 @@ def foreign_batch_mesh(
 
 
 def other_strategy_error(
-    strategy: StrategyParts, leaf: Any, mesh, *, call: str, argument: str, fix: str
+    strategy: StrategyParts,
+    leaf: Any,
+    mesh: "jax.sharding.Mesh | jax.sharding.AbstractMesh",
+    *,
+    call: str,
+    argument: str,
+    fix: str,
 ) -> ValueError:
     """The error for `leaf` (at `argument`), split over `mesh`, given to `call`."""
     other = leaf.strategy if isinstance(leaf, PerReplica) else None

@@ -1,7 +1,9 @@
 """`MemoryReport`: how many bytes of a model each device holds, and why."""
 
 import dataclasses
+from typing import Any
 
+import jax
 import numpy as np
 
 from keras_dist.strategies.devices._placement import BATCH_AXIS
@@ -120,13 +122,19 @@ class MemoryReport:
         return "\n".join(lines)
 
 
-def memory_report(strategy: StrategyParts, model) -> MemoryReport:
+def memory_report(strategy: StrategyParts, model: Any) -> MemoryReport:
     """Reads the layout and the device buffers of every variable of `model`."""
     weights = list(model.trainable_variables) + list(model.non_trainable_variables)
     optimizer = getattr(model, "optimizer", None)
     seen = {id(v) for v in weights}
     slots = [v for v in getattr(optimizer, "variables", []) if id(v) not in seen]
-    entries, per_device = [], {"weight": {}, "optimizer": {}, "host": {}}
+    entries: list[VariableMemory] = []
+    # Bytes per device, by kind.
+    per_device: dict[str, dict[jax.Device, int]] = {
+        "weight": {},
+        "optimizer": {},
+        "host": {},
+    }
     for kind, group in (("weight", weights), ("optimizer", slots)):
         for v in group:
             entries.append(_describe(strategy, v, kind, per_device))
@@ -146,7 +154,10 @@ def memory_report(strategy: StrategyParts, model) -> MemoryReport:
 
 
 def _describe(
-    strategy: StrategyParts, variable, kind: str, per_device: dict
+    strategy: StrategyParts,
+    variable: Any,
+    kind: str,
+    per_device: dict[str, dict[jax.Device, int]],
 ) -> VariableMemory:
     """One variable's row; adds its bytes to `per_device[kind or "host"]`."""
     value = variable.value

@@ -152,6 +152,7 @@ class ModelParallelStateLayout(ShardedStateLayout):
         return _automatic(shape, self.model_parallel)
 
     def _by_rule(self, path: str, shape: tuple, dtype: Any) -> LayoutPlan:
+        assert self.layout_map is not None  # `plan` asks only with a map.
         rule = self.layout_map[path]
         if rule is None:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -246,7 +247,7 @@ class ModelParallelStateLayout(ShardedStateLayout):
 
 def _automatic(shape: tuple, parts: int) -> LayoutPlan:
     shape = tuple(int(d) for d in shape)
-    whole = (None,) * len(shape)
+    whole: tuple[str | None, ...] = (None,) * len(shape)
     if len(shape) < 2:
         return LayoutPlan(whole, "automatic: vectors and scalars stay whole")
     if len(shape) >= 3:

@@ -11,6 +11,7 @@ the count says *whether* to shard, not into how many parts.
 import abc
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ class Partitioner(abc.ABC):
     """Base class: `partitioner(shape, dtype, axis=0)` -> partitions per axis."""
 
     @abc.abstractmethod
-    def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
         """The number of partitions along each axis of a variable."""
 
     def __repr__(self) -> str:
@@ -60,7 +61,7 @@ class FixedShardsPartitioner(Partitioner):
     def num_shards(self) -> int:
         return self._num_shards
 
-    def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
         shape = _check_shape(shape, axis)
         result = [1] * len(shape)
         result[axis] = min(self._num_shards, shape[axis])
@@ -96,7 +97,7 @@ class MinSizePartitioner(Partitioner):
         self._max_shards = _positive_int(max_shards, "max_shards")
         self._bytes_per_string = _positive_int(bytes_per_string, "bytes_per_string")
 
-    def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
         shape = _check_shape(shape, axis)
         total = math.prod(shape) * _element_bytes(dtype, self._bytes_per_string)
         result = [1] * len(shape)
@@ -143,7 +144,7 @@ class MaxSizePartitioner(Partitioner):
         )
         self._bytes_per_string = _positive_int(bytes_per_string, "bytes_per_string")
 
-    def __call__(self, shape: Sequence[int], dtype, axis: int = 0) -> list[int]:
+    def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
         shape = _check_shape(shape, axis)
         element = _element_bytes(dtype, self._bytes_per_string)
         bytes_per_slice = math.prod(shape) / shape[axis] * element
@@ -156,11 +157,11 @@ class MaxSizePartitioner(Partitioner):
         return result
 
 
-def _positive_int(value, name: str) -> int:
+def _positive_int(value: Any, name: str) -> int:
     return check_int(value, name=name)
 
 
-def _check_shape(shape, axis: int) -> tuple[int, ...]:
+def _check_shape(shape: Sequence[Any], axis: int) -> tuple[int, ...]:
     dims = tuple(shape)
     if any(d is None for d in dims):
         raise ValueError(f"The shape must be fully defined. Received: shape={shape!r}.")
@@ -173,7 +174,7 @@ def _check_shape(shape, axis: int) -> tuple[int, ...]:
     return dims
 
 
-def _element_bytes(dtype, bytes_per_string: int) -> int:
+def _element_bytes(dtype: Any, bytes_per_string: int) -> int:
     name = getattr(dtype, "name", dtype)
     if name in ("string", "str", str, object):
         return bytes_per_string

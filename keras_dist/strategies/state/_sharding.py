@@ -39,7 +39,7 @@ class ShardPlan:
     def layout(
         self, shape: Sequence[int], device_mesh
     ) -> keras.distribution.TensorLayout:
-        axes = [None] * len(shape)
+        axes: list[str | None] = [None] * len(shape)
         if self.axis is not None:
             axes[self.axis] = BATCH_AXIS
         return keras.distribution.TensorLayout(axes, device_mesh)

@@ -37,7 +37,7 @@ def split_sharding(layout) -> jax.sharding.Sharding | None:
 def compute_split(
     fn: Callable,
     args: Sequence[np.ndarray],
-    sharding: jax.sharding.Sharding,
+    sharding: NamedSharding,
     *,
     cache_key: Hashable | None = None,
 ) -> jax.Array:
@@ -53,6 +53,7 @@ def compute_split(
             given with this key computes the same function of `args`.
             Defaults to `None`: compiled for this call only.
     """
+    jitted: Callable[..., jax.Array] | None
     if cache_key is None:
         jitted = jax.jit(fn, out_shardings=sharding)
     else:
