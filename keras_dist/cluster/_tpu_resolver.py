@@ -49,9 +49,15 @@ class TPUClusterResolver:
 
     Args:
         tpu: `None`, `""` or `"local"`; other values are ignored (warned).
-        zone, project, job_name, coordinator_name, coordinator_address,
-            credentials, service, discovery_url: accepted for tf
-            compatibility and ignored (warned when not tf's default).
+        zone: accepted for tf compatibility and ignored (warned when not
+            tf's default), as are the next seven.
+        project: as `zone`.
+        job_name: as `zone`.
+        coordinator_name: as `zone`.
+        coordinator_address: as `zone`.
+        credentials: as `zone`.
+        service: as `zone`.
+        discovery_url: as `zone`.
         devices: keyword-only: the TPU devices to use instead of
             `jax.devices("tpu")` — objects with the attributes of a TPU
             `jax.Device` (`id`, `platform`, `device_kind`, `coords`,
