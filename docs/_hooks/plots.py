@@ -13,7 +13,5 @@ _RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results
 
 def on_files(files, config):
     for png in sorted(_RESULTS.glob("*.png")):
-        files.append(
-            File.generated(config, f"plots/{png.name}", abs_src_path=str(png))
-        )
+        files.append(File.generated(config, f"plots/{png.name}", abs_src_path=str(png)))
     return files

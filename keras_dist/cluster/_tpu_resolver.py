@@ -32,7 +32,14 @@ class TPUClusterResolver:
     detected the way `jax.distributed.initialize()` detects Cloud TPU) it
     counts the hosts without starting the TPU, so that `TPUStrategy` can
     join them first. Without a TPU it raises `ValueError`, like tf, so the
-    tutorials' fallback works unchanged:
+    tutorials' fallback works unchanged (the example below).
+
+    The arguments are tf's. `tpu=None`, `""` or `"local"` mean this VM's
+    TPU; a TPU name or gRPC address (TPU Nodes, which JAX does not use) and
+    the GCP arguments are accepted with one warning naming them: run the
+    program on the TPU VM itself (every host of a pod).
+
+    Example:
 
     ```python
     try:
@@ -41,11 +48,6 @@ class TPUClusterResolver:
     except ValueError:  # no TPU here
         strategy = kd.MirroredStrategy()
     ```
-
-    The arguments are tf's. `tpu=None`, `""` or `"local"` mean this VM's
-    TPU; a TPU name or gRPC address (TPU Nodes, which JAX does not use) and
-    the GCP arguments are accepted with one warning naming them: run the
-    program on the TPU VM itself (every host of a pod).
 
     Args:
         tpu: `None`, `""` or `"local"`; other values are ignored (warned).
