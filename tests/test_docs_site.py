@@ -53,7 +53,7 @@ CHECKED_ELSEWHERE = {
         "TPUStrategy(resolver)",
         "strategies/test_tpu.py::test_tpu_guide_example_falls_back_without_a_tpu",
     ),
-    ("guides/large-models.md", 0): (
+    ("guides/large-models.md", 1): (
         "model_parallel=4",
         "test_docs.py::test_large_models_guide_model_parallel_example_runs",
     ),
