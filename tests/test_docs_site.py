@@ -140,6 +140,8 @@ def test_the_site_builds_strict_and_offline(site):
     index = (site / "index.html").read_text()
     assert 'href="guides/tpu.html"' in index  # use_directory_urls: false
     assert "fonts.googleapis.com" not in index  # theme.font: false
+    for page in site.rglob("*.html"):  # Scripts, styles, images: all local.
+        assert not re.search(r'src="https?://', page.read_text()), page
     for plot in (ROOT / "benchmarks" / "results").glob("*.png"):
         assert (site / "plots" / plot.name).is_file(), plot.name
     assert 'src="plots/memory.png"' in (site / "benchmarks.html").read_text()
