@@ -115,6 +115,16 @@ def scale_regularization_loss(regularization_loss: "jax.typing.ArrayLike") -> ja
     `regularization_loss / num_replicas_in_sync`, so that summing the
     replicas' gradients counts it once; outside `run`, returns it unchanged.
 
+    Example:
+
+    ```python
+    def loss_fn(trainable):
+        logits, _ = model.stateless_call(trainable, non_trainable, x)
+        loss = kd.losses.compute_average_loss(loss_object(y, logits))
+        l2 = sum(jnp.sum(w**2) for w in trainable) * 1e-4
+        return loss + kd.losses.scale_regularization_loss(l2)
+    ```
+
     Args:
         regularization_loss: a float scalar (or array), e.g. `sum(model.losses)`.
     """

@@ -49,7 +49,17 @@ POLL_SECONDS = 0.05
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    Example:
+
+    ```python
+    from keras_dist.launch import free_port
+
+    port = free_port()
+    os.environ["KERAS_DIST_PORT"] = str(port)
+    ```
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -318,6 +328,16 @@ def _how(code: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs `keras-dist-run` with `argv` (default `sys.argv[1:]`): its exit status.
+
+    Example:
+
+    ```python
+    from keras_dist.launch import main
+
+    exit_code = main(["-n", "2", "--devices-per-process", "4", "train.py"])
+    ```
+    """
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv:  # Nothing at all: the whole help, examples included.

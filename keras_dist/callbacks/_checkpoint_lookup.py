@@ -63,6 +63,16 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     with one that cannot be read: a warning), picks the most recently
     modified `.weights.h5`/`.keras` file (ignoring temporary files of
     interrupted writes).
+
+    Example:
+
+    ```python
+    model.fit(x, y, epochs=3, callbacks=[
+        kd.callbacks.ModelCheckpoint("ckpts/ckpt_{epoch}", save_weights_only=True)
+    ])
+    path = kd.callbacks.latest_checkpoint("ckpts")  # "ckpts/ckpt_3.weights.h5"
+    model.load_weights(path)
+    ```
     """
     directory = os.fspath(directory)
     if _orbax_steps(directory):

@@ -73,6 +73,14 @@ class SlurmClusterResolver(ClusterResolver):
     the first node, on `port` (default `$KERAS_DIST_PORT` or 12345). A
     `ClusterResolver` (so `isinstance` and `dataclasses.replace` work).
 
+    Example:
+
+    ```python
+    # srun -N 2 -n 2 python train.py
+    resolver = kd.cluster.SlurmClusterResolver(port=23456)
+    strategy = kd.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    ```
+
     Args:
         port: the coordinator's port.
         **fields: `ClusterResolver` fields, taken as they are instead of
@@ -160,6 +168,13 @@ def resolve(resolver: ClusterResolver | None = None) -> ClusterResolver:
     - JAX's own detection (Cloud TPU, GKE, ...): `source="jax"`, addresses
       left to `jax.distributed.initialize`;
     - otherwise a single process.
+
+    Example:
+
+    ```python
+    resolver = kd.cluster.resolve()
+    print(resolver.source)  # "TF_CONFIG", "SLURM", ..., "single process"
+    ```
     """
     if resolver is not None:
         if not isinstance(resolver, ClusterResolver):

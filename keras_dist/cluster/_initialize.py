@@ -20,7 +20,15 @@ _STATE: dict = {}
 
 
 def is_initialized() -> bool:
-    """Whether this process has joined a multi-process JAX cluster."""
+    """Whether this process has joined a multi-process JAX cluster.
+
+    Example:
+
+    ```python
+    if not kd.cluster.is_initialized():
+        kd.cluster.initialize()
+    ```
+    """
     return bool(_STATE.get("joined")) or jax.process_count() > 1
 
 
@@ -81,6 +89,14 @@ def initialize(
     it selects the gloo collectives on CPU, prints
     `process / count / coordinator / local devices`, and calls
     `jax.distributed.initialize` with `timeout`.
+
+    Example:
+
+    ```python
+    resolver = kd.cluster.initialize(timeout=120)  # before any JAX computation
+    print(resolver.process_id, "of", resolver.num_processes)
+    # kd.MultiWorkerMirroredStrategy() calls it for you.
+    ```
 
     Args:
         resolver: the cluster; defaults to auto-detection.

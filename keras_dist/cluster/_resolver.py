@@ -46,6 +46,15 @@ def parse_address(address: Any, *, where: str) -> tuple[str, int]:
 class ClusterResolver:
     """A resolved cluster: the JAX processes and this process's place in it.
 
+    Example:
+
+    ```python
+    resolver = kd.cluster.resolve()  # TF_CONFIG, SLURM, keras-dist-run, ...
+    print(resolver.source, resolver.num_processes, resolver.process_id)
+    if resolver.task_type == "evaluator":
+        ...  # outside the training cluster: run a SidecarEvaluator
+    ```
+
     Attributes:
         coordinator_address: `"host:port"` of process 0, where JAX's
             coordination service listens.
@@ -109,6 +118,15 @@ class SimpleClusterResolver(ClusterResolver):
     """A cluster given explicitly, like tf.distribute's `SimpleClusterResolver`.
 
     A `ClusterResolver` (so `isinstance` and `dataclasses.replace` work).
+
+    Example:
+
+    ```python
+    resolver = kd.cluster.SimpleClusterResolver(
+        "10.0.0.1:12345", num_processes=2, process_id=int(os.environ["RANK"])
+    )
+    strategy = kd.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    ```
 
     Args:
         coordinator_address: `"host:port"` of process 0.

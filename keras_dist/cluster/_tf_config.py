@@ -26,6 +26,14 @@ class TFConfigClusterResolver(ClusterResolver):
     `dataclasses.replace` work). An `evaluator` is outside the training cluster
     (`process_id=None`); `ps` tasks are listed but take no process.
 
+    Example:
+
+    ```python
+    resolver = kd.cluster.TFConfigClusterResolver()  # reads $TF_CONFIG
+    print(resolver.task_type, resolver.task_id, resolver.process_id)
+    strategy = kd.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    ```
+
     Args:
         task_type: overrides `task.type`.
         task_id: overrides `task.index`.

@@ -32,7 +32,14 @@ class TPUClusterResolver:
     detected the way `jax.distributed.initialize()` detects Cloud TPU) it
     counts the hosts without starting the TPU, so that `TPUStrategy` can
     join them first. Without a TPU it raises `ValueError`, like tf, so the
-    tutorials' fallback works unchanged:
+    tutorials' fallback works unchanged (the example below).
+
+    The arguments are tf's. `tpu=None`, `""` or `"local"` mean this VM's
+    TPU; a TPU name or gRPC address (TPU Nodes, which JAX does not use) and
+    the GCP arguments are accepted with one warning naming them: run the
+    program on the TPU VM itself (every host of a pod).
+
+    Example:
 
     ```python
     try:
@@ -42,16 +49,17 @@ class TPUClusterResolver:
         strategy = kd.MirroredStrategy()
     ```
 
-    The arguments are tf's. `tpu=None`, `""` or `"local"` mean this VM's
-    TPU; a TPU name or gRPC address (TPU Nodes, which JAX does not use) and
-    the GCP arguments are accepted with one warning naming them: run the
-    program on the TPU VM itself (every host of a pod).
-
     Args:
         tpu: `None`, `""` or `"local"`; other values are ignored (warned).
-        zone, project, job_name, coordinator_name, coordinator_address,
-            credentials, service, discovery_url: accepted for tf
-            compatibility and ignored (warned when not tf's default).
+        zone: accepted for tf compatibility and ignored (warned when not
+            tf's default), as are the next seven.
+        project: as `zone`.
+        job_name: as `zone`.
+        coordinator_name: as `zone`.
+        coordinator_address: as `zone`.
+        credentials: as `zone`.
+        service: as `zone`.
+        discovery_url: as `zone`.
         devices: keyword-only: the TPU devices to use instead of
             `jax.devices("tpu")` — objects with the attributes of a TPU
             `jax.Device` (`id`, `platform`, `device_kind`, `coords`,

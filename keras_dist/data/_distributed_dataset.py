@@ -64,6 +64,14 @@ class DistributedIterator:
 
     One pass of the input pipeline (`_pipeline.InputPass`) with the batches in
     the dataset's own structure.
+
+    Example:
+
+    ```python
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    first = next(iterator)
+    second = iterator.get_next()  # tf's name
+    ```
     """
 
     def __init__(
@@ -106,6 +114,16 @@ class DistributedDataset:
     """An iterable of global batches split over a strategy's replicas.
 
     Each `iter()` starts a new pass over the underlying dataset.
+
+    Example:
+
+    ```python
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)  # global
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+    for epoch in range(2):
+        for batch in dist_dataset:  # each iter() is a new pass
+            strategy.run(step, args=(batch,))
+    ```
     """
 
     def __init__(

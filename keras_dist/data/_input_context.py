@@ -13,6 +13,18 @@ class InputContext:
     Passed to the `dataset_fn` of `strategy.distribute_datasets_from_function`,
     like `tf.distribute.InputContext`.
 
+    Example:
+
+    ```python
+    def dataset_fn(ctx: kd.InputContext):
+        batch = ctx.get_per_replica_batch_size(64)  # global batch 64
+        dataset = tf.data.Dataset.from_tensor_slices((x, y))
+        dataset = dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return dataset.batch(batch)
+
+    dist_dataset = strategy.distribute_datasets_from_function(dataset_fn)
+    ```
+
     Args:
         num_input_pipelines: how many input pipelines (processes) feed the
             replicas. Defaults to 1.
@@ -96,6 +108,17 @@ class InputOptions:
     Passed to `experimental_distribute_dataset`, or set on a strategy
     (`strategy.input_options = kd.InputOptions(...)`) for the input of
     `fit`/`evaluate`/`predict`.
+
+    Example:
+
+    ```python
+    strategy = kd.MirroredStrategy()
+    # In-memory arrays always from the host, each step; no fused groups.
+    strategy.input_options = kd.InputOptions(device_resident=False, fuse_steps=False)
+    dist = strategy.experimental_distribute_dataset(
+        dataset, kd.InputOptions(experimental_per_replica_buffer_size=2)
+    )
+    ```
 
     Args:
         experimental_fetch_to_device: copy batches to the devices ahead of

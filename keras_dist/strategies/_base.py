@@ -41,6 +41,19 @@ class Strategy(keras.distribution.DataParallel):
 
     Use a concrete subclass: `MirroredStrategy` or `OneDeviceStrategy`.
 
+    Example:
+
+    ```python
+    def train(strategy: kd.Strategy):  # any keras_dist strategy
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer="adam", loss="mse")
+        return model.fit(x, y, batch_size=8 * strategy.num_replicas_in_sync)
+
+    train(kd.MirroredStrategy())
+    train(kd.OneDeviceStrategy("cpu:0"))
+    ```
+
     Args:
         devices: the resolved `jax.Device`s of the replicas, in mesh order.
         state_layout: makes the strategy's `StateLayout` from its device mesh

@@ -25,6 +25,13 @@ class CommunicationOptions:
     between CPU hosts), chosen by JAX; these options set the timeouts and the
     CPU implementation.
 
+    Example:
+
+    ```python
+    options = kd.CommunicationOptions(timeout_seconds=60)  # fail within a minute
+    strategy = kd.MultiWorkerMirroredStrategy(communication_options=options)
+    ```
+
     Args:
         timeout_seconds: how long joining the cluster, and each cross-process
             check keras_dist makes (start of `fit`, input agreement), may

@@ -53,6 +53,21 @@ class ParameterServerStrategy(Strategy):
     model.fit(x, y, batch_size=64)
     ```
 
+    Example:
+
+    ```python
+    strategy = kd.ParameterServerStrategy(
+        variable_partitioner=kd.partitioners.MinSizePartitioner(
+            min_shard_bytes=256 << 10, max_shards=8
+        )
+    )
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=64)
+    print(strategy.memory_report(model))  # the split variables: 1/8 a device
+    ```
+
     Args:
         cluster_resolver: the cluster; defaults to detection (TF_CONFIG,
             SLURM, `keras-dist-run`, else this process alone).

@@ -21,6 +21,13 @@ Coordinates = tuple[int, int, int, int]
 class Topology:
     """The shape of a TPU system, as `tf.tpu.experimental.Topology`.
 
+    Example:
+
+    ```python
+    topology = kd.tpu.initialize_tpu_system(kd.cluster.TPUClusterResolver())
+    print(topology.device_kind, topology.mesh_shape, topology.num_tasks)
+    ```
+
     Attributes:
         device_kind: JAX's name of the TPU generation, e.g. `"TPU v5 lite"`
             (v5e), `"TPU v6 lite"` (v6e), `"TPU v4"`, `"TPU v3"`.

@@ -49,6 +49,15 @@ class AutoShardPolicy(enum.IntEnum):
 
     With `FILE` and `OFF`, processes may run out of data at different steps:
     keras_dist pads and masks, so every process runs the same steps.
+
+    Example:
+
+    ```python
+    files = tf.data.Dataset.list_files("data/train-*.tfrecord", shuffle=False)
+    dataset = tf.data.TFRecordDataset(files).map(parse).batch(64)
+    dataset = kd.data.with_auto_shard_policy(dataset, kd.data.AutoShardPolicy.FILE)
+    # also AutoShardPolicy.AUTO (the default), DATA and OFF
+    ```
     """
 
     OFF = -1
@@ -62,6 +71,13 @@ _POLICY_VALUES = frozenset(policy.value for policy in AutoShardPolicy)
 
 def with_auto_shard_policy(dataset: Any, policy: "AutoShardPolicy | str") -> Any:
     """`dataset` with its auto-shard policy set (tf's dataset option).
+
+    Example:
+
+    ```python
+    dataset = kd.data.with_auto_shard_policy(dataset, "OFF")  # already this process's
+    model.fit(dataset, epochs=2)
+    ```
 
     Args:
         dataset: a `tf.data.Dataset`.

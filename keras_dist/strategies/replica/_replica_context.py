@@ -29,6 +29,18 @@ class ReplicaContext:
     Like `tf.distribute.ReplicaContext`. Obtain it with
     `kd.get_replica_context()` inside the function given to `strategy.run`.
 
+    Example:
+
+    ```python
+    def step(batch):
+        ctx = kd.get_replica_context()  # a ReplicaContext inside run
+        local = batch.sum()
+        total = ctx.all_reduce("sum", local)  # the same on every replica
+        return ctx.replica_id_in_sync_group, total
+
+    ids, totals = strategy.run(step, args=(dist_batch,))
+    ```
+
     Args:
         strategy: the strategy running the replicas.
         per_replica_batch: rows of the batch each replica received, if a
@@ -211,6 +223,20 @@ def get_replica_context() -> ReplicaContext | None:
     Inside a function run by `strategy.run`: that replica's context. Inside a
     `strategy.scope()` but outside `run` (the cross-replica context): `None`.
     With no strategy at all: a default context of one replica.
+
+    Example:
+
+    ```python
+    strategy = kd.MirroredStrategy()
+    with strategy.scope():
+        print(kd.get_replica_context())  # None: the cross-replica context
+
+    def step(batch):
+        ctx = kd.get_replica_context()
+        return ctx.replica_id_in_sync_group  # 0 ... num_replicas_in_sync - 1
+
+    strategy.run(step, args=(dist_batch,))
+    ```
     """
     current = _CURRENT.get()
     if current is not None:

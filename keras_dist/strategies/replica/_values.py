@@ -17,7 +17,16 @@ __all__ = ["PerReplica", "ReduceOp"]
 
 
 class ReduceOp(enum.StrEnum):
-    """How to combine the values of the replicas, as `tf.distribute.ReduceOp`."""
+    """How to combine the values of the replicas, as `tf.distribute.ReduceOp`.
+
+    Example:
+
+    ```python
+    strategy.reduce(kd.ReduceOp.SUM, per_replica_losses, axis=None)
+    strategy.reduce(kd.ReduceOp.MEAN, per_replica_losses, axis=0)
+    strategy.reduce("mean", per_replica_losses, axis=0)  # the same
+    ```
+    """
 
     SUM = "SUM"
     MEAN = "MEAN"
@@ -50,6 +59,18 @@ class PerReplica:
     When the batch `run` was given was padded (a partial last batch), the
     padded rows of per-example values are left out by `reduce` along axis 0,
     `gather` along axis 0 and `experimental_local_results`.
+
+    Example:
+
+    ```python
+    def step(batch):
+        return batch * 2.0  # differs by replica: a PerReplica
+
+    per_replica = strategy.run(step, args=(dist_batch,))
+    print(len(per_replica.values))  # strategy.num_replicas_in_sync
+    total = strategy.reduce("sum", per_replica, axis=None)
+    rows = strategy.gather(per_replica, axis=0)  # the real rows, in order
+    ```
 
     Args:
         stacked: the values, with a leading axis of size `num_replicas`.

@@ -18,6 +18,14 @@ _DEVICE = "device"
 class VariableMemory:
     """One variable: its size, and how it is laid out on the mesh.
 
+    Example:
+
+    ```python
+    report = strategy.memory_report(model)
+    for v in report.variables:
+        print(v.path, v.shape, v.parts, v.bytes_per_device, v.reason)
+    ```
+
     Attributes:
         path: the Keras variable path (`"sequential/dense/kernel"`).
         kind: `"weight"` (the model's) or `"optimizer"` (slots, counters).
@@ -60,6 +68,19 @@ class VariableMemory:
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Per-device bytes of a model's weights and optimizer state.
+
+    Example:
+
+    ```python
+    strategy = kd.MirroredStrategy(shard_variables=True)  # FSDP
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="adam", loss="mse")
+    model.fit(x, y, batch_size=64)  # builds the optimizer state
+    report = strategy.memory_report(model)
+    print(report.weight_bytes_per_device, report.optimizer_bytes_per_device)
+    print(report)  # a table: each variable's bytes per device, and why
+    ```
 
     Attributes:
         strategy: the strategy's `repr`.

@@ -26,7 +26,20 @@ __all__ = [
 
 
 class Partitioner(abc.ABC):
-    """Base class: `partitioner(shape, dtype, axis=0)` -> partitions per axis."""
+    """Base class: `partitioner(shape, dtype, axis=0)` -> partitions per axis.
+
+    Example:
+
+    ```python
+    class TwoShards(kd.partitioners.Partitioner):
+        def __call__(self, shape, dtype, axis=0):
+            partitions = [1] * len(shape)
+            partitions[axis] = 2 if shape[axis] >= 1024 else 1
+            return partitions
+
+    strategy = kd.ParameterServerStrategy(variable_partitioner=TwoShards())
+    ```
+    """
 
     @abc.abstractmethod
     def __call__(self, shape: Sequence[int], dtype: Any, axis: int = 0) -> list[int]:
