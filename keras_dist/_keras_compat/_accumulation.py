@@ -61,7 +61,12 @@ def _get_current_learning_rate(method: Callable) -> Callable:
 
 def _iterations(iterations: property) -> property:
     read = iterations.fget
-    assert read is not None, "Keras's `iterations` property has a getter"
+    if read is None:
+        raise TypeError(
+            "keras_dist cannot wrap Keras's `BaseOptimizer.iterations`: this Keras "
+            "version defines it without a getter. Use a Keras version keras_dist "
+            "supports (`keras_dist._keras_compat.CHECKED_KERAS`)."
+        )
 
     @functools.wraps(read)
     def updates(optimizer):

@@ -14,7 +14,7 @@ chief writes for all. `predict` gathers its outputs on every process.
 import hashlib
 import json
 import zlib
-from typing import Any
+from typing import Any, cast
 
 import jax
 import keras
@@ -126,8 +126,8 @@ def prepare_call(method: str, model, arguments: dict) -> None:
             "seeding: it agrees on a seed)."
         )
     if method == "fit":
-        state = np.random.get_state()
-        assert isinstance(state, tuple)  # The global generator's: MT19937.
+        # The global generator's (MT19937): the legacy tuple form.
+        state = cast(tuple, np.random.get_state(legacy=True))
         chief_state = _sync.broadcast_from_chief(
             "numpy-random-state",
             [state[0], state[1].tolist(), int(state[2]), int(state[3]), state[4]],

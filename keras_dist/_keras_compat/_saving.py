@@ -342,7 +342,8 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             store.close()
         return
     with open(path, "wb") as f, zipfile.ZipFile(f, "w") as zf:
-        assert snap.metadata_json is not None  # Recorded with the config.
+        if snap.metadata_json is None:  # Recorded with the config, always.
+            raise ValueError(f"Cannot write {path}: the snapshot has no metadata.")
         with zf.open(_METADATA_FILENAME, "w") as meta:
             meta.write(snap.metadata_json.encode())
         with zf.open(_CONFIG_FILENAME, "w") as config:

@@ -246,7 +246,12 @@ _JOINING = frozenset(function.__code__ for function in joining_functions())
 def variable_value(value: property) -> property:
     """`JaxVariable.value`, in device memory where it joins a computation."""
     read = value.fget
-    assert read is not None, "Keras's `value` property has a getter"
+    if read is None:
+        raise TypeError(
+            "keras_dist cannot wrap Keras's `Variable.value`: this Keras version "
+            "defines it without a getter. Use a Keras version keras_dist supports "
+            "(`keras_dist._keras_compat.CHECKED_KERAS`)."
+        )
 
     @functools.wraps(read)
     def value_for_reader(variable):

@@ -218,7 +218,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _open_store(self) -> BackupStore:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
-        assert self._store is not None, "BackupAndRestore: no `fit` running"
+        if self._store is None:
+            raise RuntimeError(
+                "BackupAndRestore is not in a running `fit`: its backup store opens "
+                "in `on_train_begin` and closes when `fit` ends."
+            )
         return self._store
 
     def _save(self, epoch: int, step: int) -> None:

@@ -139,7 +139,8 @@ class LearningRateScheduler(keras.callbacks.Callback):
     def _check_through(self, last: int) -> None:
         """Raises if a step up to `last` has a bad rate (evaluating ahead)."""
         low = self._checked_to
-        assert low is not None  # Only for an unknown epoch length.
+        if low is None:  # Set with an unknown epoch length, the only caller's.
+            raise RuntimeError("LearningRateScheduler: no step checked yet.")
         while self._bad is None and low <= last:
             self._bad = _first_bad(self.schedule, low, low + _CHUNK)
             low = self._checked_to = low + _CHUNK

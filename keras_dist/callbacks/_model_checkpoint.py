@@ -283,7 +283,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         sync_state(self.model)
         step = step_counter(self.model.optimizer)
         if self.sharded:
-            assert self._sharded is not None  # Made by on_train_begin.
+            if self._sharded is None:  # Made by on_train_begin.
+                raise RuntimeError("ModelCheckpoint(sharded=True) saves only in `fit`.")
             with plain_learning_rate(self.model):  # Loadable without keras_dist.
                 path = self._sharded.save(
                     self.model, step, weights_only=self.save_weights_only

@@ -81,7 +81,8 @@ class StepProgram:
         With the state kept outside device memory, moving it in is the
         program's first operation.
         """
-        assert self._jit is not None  # Only a compiled step compiles.
+        if self._jit is None:  # Only a compiled step compiles.
+            raise RuntimeError("An eager step (`run_eagerly=True`) is not compiled.")
         if self.strategy.state_layout.off_device:
             program = _state_moved_in(program, self.strategy)
         return self._jit(program)

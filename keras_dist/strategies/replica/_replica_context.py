@@ -64,7 +64,8 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """Number of replicas taking part in the collectives."""
-        assert self.strategy is not None  # The default context has its own.
+        if self.strategy is None:  # The default context overrides this.
+            raise RuntimeError("This replica context has no strategy.")
         return self.strategy.num_replicas_in_sync
 
     @property

@@ -148,12 +148,17 @@ class ModelParallelStateLayout(ShardedStateLayout):
     def plan(self, path: str, shape: tuple[int, ...], dtype: Any) -> LayoutPlan:
         """The spec of a variable over the mesh, before FSDP."""
         if self.layout_map is not None:
-            return self._by_rule(path, shape, dtype)
+            return self._by_rule(self.layout_map, path, shape, dtype)
         return _automatic(shape, self.model_parallel)
 
-    def _by_rule(self, path: str, shape: tuple, dtype: Any) -> LayoutPlan:
-        assert self.layout_map is not None  # `plan` asks only with a map.
-        rule = self.layout_map[path]
+    def _by_rule(
+        self,
+        layout_map: "keras.distribution.LayoutMap",
+        path: str,
+        shape: tuple,
+        dtype: Any,
+    ) -> LayoutPlan:
+        rule = layout_map[path]
         if rule is None:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
             if nbytes >= LARGE_BYTES:
