@@ -37,25 +37,13 @@ class ParameterServerStrategy(Strategy):
     says which and why.
 
     Migrating from tf: the `ClusterCoordinator` loop becomes `fit` (or
-    `strategy.run` in a custom loop):
-
-    ```python
-    # tf: coordinator = ClusterCoordinator(strategy)
-    #     coordinator.schedule(step_fn, args=(iter(per_worker_dataset),))
-    strategy = kd.ParameterServerStrategy(
-        variable_partitioner=kd.partitioners.MinSizePartitioner(
-            min_shard_bytes=256 << 10, max_shards=8
-        )
-    )
-    with strategy.scope():
-        model = make_model()
-        model.compile(optimizer="adam", loss="mse")
-    model.fit(x, y, batch_size=64)
-    ```
+    `strategy.run` in a custom loop), as in the example.
 
     Example:
 
     ```python
+    # tf: coordinator = ClusterCoordinator(strategy)
+    #     coordinator.schedule(step_fn, args=(iter(per_worker_dataset),))
     strategy = kd.ParameterServerStrategy(
         variable_partitioner=kd.partitioners.MinSizePartitioner(
             min_shard_bytes=256 << 10, max_shards=8
