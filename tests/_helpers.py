@@ -118,12 +118,14 @@ def assert_history_close(expected: dict, actual: dict, rtol=1e-5, atol=1e-6):
 
 
 class InterruptAt(keras.callbacks.Callback):
-    """Raises after global step `at` (as a crash would, mid-epoch)."""
+    """Raises after global step `at` (as a crash would, mid-epoch), once the
+    callbacks before it handled that step's end: at the next step's begin,
+    where keras_dist's checkpoint callbacks handle it."""
 
     def __init__(self, at: int):
         super().__init__()
         self.at = at
 
-    def on_train_batch_end(self, batch, logs=None):
+    def on_train_batch_begin(self, batch, logs=None):
         if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
             raise RuntimeError(f"interrupted at step {self.at}")
