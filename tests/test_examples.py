@@ -33,9 +33,11 @@ def test_demo_runs_and_matches_one_device(tmp_path):
         "1437 images (1293 for training), global batch 128 = 16 per replica x 8" in out
     )
     assert "last batch of each epoch: 13 images" in out
-    # 11 steps per epoch; SIGTERM after step 14, saved at the next boundary (15).
-    assert "preempted (SIGTERM); saved at epoch 2, step 4" in out
-    assert "resuming at epoch 2, step 4" in out
+    # 11 steps per epoch; SIGTERM after step 14 (epoch 2, step 3), noticed
+    # where BackupAndRestore handles that step's end (step 15's begin): saved
+    # there, before step 15 runs.
+    assert "preempted (SIGTERM); saved at epoch 2, step 3" in out
+    assert "resuming at epoch 2, step 3" in out
     for epoch in (1, 2, 3):
         assert f"Learning rate for epoch {epoch} is 0.003" in out
         assert re.search(rf"^epoch  {epoch}  loss \d\.\d{{4}}  accuracy", out, re.M)
