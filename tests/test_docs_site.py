@@ -136,6 +136,7 @@ def site(tmp_path_factory) -> pathlib.Path:
     return out
 
 
+@pytest.mark.source_checks
 def test_the_site_builds_strict_and_offline(site):
     index = (site / "index.html").read_text()
     assert 'href="guides/tpu.html"' in index  # use_directory_urls: false
@@ -147,6 +148,7 @@ def test_the_site_builds_strict_and_offline(site):
     assert 'src="plots/memory.png"' in (site / "benchmarks.html").read_text()
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("module", _public_modules())
 def test_every_public_name_is_in_the_api_reference(site, module):
     mod = importlib.import_module(module)
@@ -166,6 +168,7 @@ def _doc_blocks() -> list[tuple[str, int, str]]:
     return blocks
 
 
+@pytest.mark.source_checks
 def test_the_examples_checked_elsewhere_are_those_blocks():
     blocks = {(page, i): block for page, i, block in _doc_blocks()}
     for key, (marker, _) in CHECKED_ELSEWHERE.items():

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.source_checks  # No Keras code: once, on the main Keras.
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 

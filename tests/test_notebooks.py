@@ -310,6 +310,7 @@ def _imported_modules(nb) -> set[str]:
     return modules - set(sys.stdlib_module_names) - written - {"keras_dist"}
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_opens_in_colab_from_its_badge(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -322,6 +323,7 @@ def test_notebook_opens_in_colab_from_its_badge(name):
     assert nb.cells[0].source.splitlines()[0] == badge
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_install_cell_installs_from_the_index_then_the_repository(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -350,6 +352,7 @@ def test_install_cell_installs_from_the_index_then_the_repository(name):
     assert _pattern(source) == _pattern(first)
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_install_cell_brings_every_package_the_notebook_imports(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -364,6 +367,7 @@ def test_install_cell_brings_every_package_the_notebook_imports(name):
     assert not missing, f"{name} imports modules its install cell does not bring"
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_install_cell_does_nothing_where_keras_dist_is_installed(name, tmp_path):
     """Run alone in a fresh kernel, where keras_dist imports: one line, no pip."""
@@ -383,6 +387,7 @@ def bare_python(tmp_path_factory):
     return str(venv / "bin" / "python")
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_install_cell_without_keras_dist_tries_the_index_then_the_repository(
     name, bare_python, tmp_path
@@ -449,6 +454,7 @@ def test_install_cell_without_keras_dist_tries_the_index_then_the_repository(
     assert python("import keras_dist").returncode == 1
 
 
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_stored_outputs_hold_no_local_path(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -464,6 +470,7 @@ def test_stored_outputs_hold_no_local_path(name):
     assert not found, f"{name}: (cell, output, path) {found}"
 
 
+@pytest.mark.source_checks
 def test_committed_notebooks_carry_a_full_run():
     """Every code cell ran, in order, without error; the plots are saved as PNG."""
     assert sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")) == NAMES
@@ -481,6 +488,7 @@ def test_committed_notebooks_carry_a_full_run():
             assert _count_png(outputs) == 1, name
 
 
+@pytest.mark.source_checks
 def test_tpu_notebook_says_which_colab_runtime_and_what_it_prints():
     nb = nbformat.read(NOTEBOOKS / "tpu_colab.ipynb", as_version=4)
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")

@@ -20,7 +20,7 @@ import pytest
 import keras_dist as kd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.source_checks]
 
 # A requirement's name -> the module keras_dist imports for it.
 CORE = {

@@ -7,7 +7,11 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
+
 import keras_dist
+
+pytestmark = pytest.mark.source_checks  # No Keras code: once, on the main Keras.
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
