@@ -9,12 +9,11 @@ one timed `fit` of `STEPS` steps with the configuration's callback saving
 every `EVERY` steps into `DIR`. Prints `RESULT {json}`: ms/step, the
 seconds the training thread spent in each save (`blocked_s`) and, of
 those, waiting for the previous save to finish (`waited_s`: keras_dist's
-callbacks only) and waiting for the steps already dispatched to compute the
-state the save reads (`drained_s`: measured apart, at the save's start; the
-save's first read of a value would wait for them anyway), the wait for
-saves in flight at the end of `fit`, the device -> host copy time of the
-whole state (the limit of any save that snapshots it), the peak RSS above
-the RSS before the timed `fit`.
+callbacks only; a save that reads a value of the state on the host also
+waits there for the steps already dispatched), the wait for saves in
+flight at the end of `fit`, the device -> host copy time of the whole
+state (the limit of any save that snapshots it), the peak RSS above the
+RSS before the timed `fit`.
 """
 
 import os
@@ -85,22 +84,6 @@ def release_free_memory() -> None:
 # Within a save: the seconds it waited for the previous save to finish.
 _SAVE = {"inside": False, "waited": 0.0, "depth": 0}
 WAITED: list = []
-DRAINED: list = []
-
-
-def _drain(model) -> float:
-    """Seconds waiting for the steps already dispatched (their state).
-
-    With Keras's asynchronous batch hooks the loop runs ahead of the devices
-    (up to the pacer's depth): a save's first read of the state waits for
-    those steps. Waited for here, apart, so a save's own block is measured
-    alone. `_jax_state`: Keras's JAX trainer's newest step outputs.
-    """
-    start = time.perf_counter()
-    state = getattr(model, "_jax_state", None)
-    if state:
-        jax.block_until_ready(state)
-    return time.perf_counter() - start
 
 
 def _timed(obj, name: str, record: list, save: bool = False) -> None:
@@ -110,7 +93,6 @@ def _timed(obj, name: str, record: list, save: bool = False) -> None:
     def timed(*args, **kwargs):
         start = time.perf_counter()
         if save:
-            DRAINED.append(_drain(getattr(obj, "model", None)))
             _SAVE.update(inside=True, waited=0.0)
         try:
             return method(*args, **kwargs)
@@ -268,7 +250,6 @@ def main():
             "saves": len(blocked),
             "blocked_s": blocked,
             "waited_s": WAITED,
-            "drained_s": DRAINED,
             "end_wait_s": sum(ends),
             "host_copy_s": host_copy_seconds(model),
             "peak_rss_mb": rss.peak / 2**20,

@@ -1,11 +1,31 @@
 """One checkpoint write in flight; its failure raised on the training thread."""
 
 import concurrent.futures
+import threading
 from collections.abc import Callable
 
 from keras_dist.errors import CheckpointWriteError
 
 __all__ = ["BackgroundWriter", "write_failed"]
+
+# The one thread of every Orbax save of keras_dist's callbacks in this
+# process (`BackgroundWriter(orbax=True)`): with several processes each
+# process must run Orbax's saves in the order the training thread submitted
+# them, which is the same on every process. Two managers saving at once on
+# two threads would enter Orbax's barriers ("CheckpointManager:save_start")
+# together and in either order ("Barrier ... is already ongoing").
+_orbax_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_orbax_lock = threading.Lock()
+
+
+def _orbax_thread() -> concurrent.futures.ThreadPoolExecutor:
+    global _orbax_executor
+    with _orbax_lock:
+        if _orbax_executor is None:
+            _orbax_executor = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="keras_dist-orbax"
+            )
+        return _orbax_executor
 
 
 def write_failed(owner: str, path: str, error: BaseException, kept: str):
@@ -22,11 +42,14 @@ class BackgroundWriter:
     `submit` first waits for the write in flight (so writes finish in the
     order they were submitted: a newer never supersedes an older); an error
     of a write is raised as `CheckpointWriteError` (naming its path and
-    cause) by the next `check`, `submit`, `wait` or `close`.
+    cause) by the next `check`, `submit`, `wait` or `close`. With `orbax`,
+    the writes run on the process's one Orbax thread, after the other
+    callbacks' Orbax writes submitted before them; without, on this
+    writer's own thread.
     """
 
-    def __init__(self, owner: str, kept: str):
-        self.owner, self.kept = owner, kept
+    def __init__(self, owner: str, kept: str, *, orbax: bool = False):
+        self.owner, self.kept, self.orbax = owner, kept, orbax
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._future: concurrent.futures.Future | None = None
         self._path = ""
@@ -37,12 +60,16 @@ class BackgroundWriter:
 
     def submit(self, path: str, write: Callable[[], None]) -> None:
         self.wait()
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="keras_dist-checkpoint"
-            )
+        if self.orbax:
+            executor = _orbax_thread()  # Shared: never shut down here.
+        else:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="keras_dist-checkpoint"
+                )
+            executor = self._executor
         self._path = path
-        self._future = self._executor.submit(write)
+        self._future = executor.submit(write)
 
     def check(self) -> None:
         """Raises the error of a finished write that failed; never waits."""

@@ -45,12 +45,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     reported and the previous one used. Restoring onto another number of
     replicas reshards the state onto the current strategy.
 
-    Saves are asynchronous by default in one process: training waits only
-    while the state is frozen (copied on its devices), and Orbax writes the
-    files on keras_dist's writer thread. With several processes saves are
-    synchronous (Orbax's save runs device collectives that must keep the
-    training thread's order). One save is in flight at a time (a newer one
-    waits for the older). A background write that fails raises
+    Saves are asynchronous by default, with one process or several:
+    training waits only while the state is frozen (copied on its devices),
+    and Orbax writes the files on keras_dist's writer thread, each process
+    its own parts. One save is in flight at a time (a newer one waits for
+    the older). A background write that fails raises
     `kd.errors.CheckpointWriteError` (the path and the cause) on the training
     thread at the next step, save or the end of `fit`; the previous backup
     stays intact. A save in flight when `fit` ends, raises, or is preempted
@@ -132,6 +131,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         self._restore(call)
         self._global_step = step_counter(self.model.optimizer)
+        # Backups are numbered on the host from here (`_number`), so a save
+        # need not read the step counter (which waits for every step
+        # dispatched): above the restored backup's number and any other.
+        self._number_base = max(self._global_step, self._open_store().latest() or 0)
+        self._step_end.start(self.params.get("steps"))
         self._install_sigterm_handler()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._release)
@@ -159,13 +163,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_in_epoch = finished + 1
         self._open_store().check()  # A background write that failed raises here.
         if self._preemption_noticed():
-            self._save(self._epoch, self._step_in_epoch)
+            self._save(self._epoch, self._step_in_epoch, finished)
             self._exit_preempted()
         if (
             isinstance(self.save_freq, int)  # Not "epoch".
             and self._steps_since_save() >= self.save_freq
         ):
-            self._save(self._epoch, self._step_in_epoch)
+            self._save(self._epoch, self._step_in_epoch, finished)
 
     def _exit_preempted(self) -> None:
         self._open_store().wait()  # On disk before the process exits.
@@ -197,7 +201,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if finished is not None:
             self._step_in_epoch = finished + 1
         self._open_store().check()
-        self._save(epoch + 1, 0)
+        self._save(epoch + 1, 0, self._step_end.last)
         if finished is not None and self._preemption_noticed():
             self._exit_preempted()
 
@@ -225,14 +229,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         return self._store
 
-    def _save(self, epoch: int, step: int) -> None:
+    def _save(self, epoch: int, step: int, through: int | None) -> None:
+        """Backs up the state after step index `through` of this epoch."""
         sync_state(self.model)
         self._saved_step = step
         epoch, step = self._position(epoch, step)
         strategy = strategy_of_model(self.model)
         self._open_store().save(
             self.model,
-            step_counter(self.model.optimizer),
+            self._number(through),
             {
                 "epoch": int(epoch),
                 "step": int(step),
@@ -240,6 +245,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
             },
         )
+
+    def _number(self, through: int | None) -> int:
+        """The backup's number: the optimizer's step count when `fit` began
+        (or the newest backup's number, if higher) plus the steps this `fit`
+        ran, counted on the host. It equals the optimizer's step count
+        unless a loss-scaling optimizer skipped steps (then it is higher)."""
+        return self._number_base + self._step_end.steps_run(through)
 
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step

@@ -8,6 +8,7 @@ import numpy as np
 
 from keras_dist._keras_compat._saving import freeze
 from keras_dist.callbacks._background import BackgroundWriter
+from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
 from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
@@ -35,22 +36,15 @@ class BackupStore:
     backup of another model). Each process writes the parts of split
     variables it holds (Orbax); nothing is gathered whole.
 
-    With `async_save`, `save` returns once the state's device -> host copies
-    have started (JAX keeps the buffers until they finish, donated or not)
-    and Orbax writes and commits the files on a background thread. One save
-    is in flight at a time: a newer `save` first waits for the older. A
+    With `async_save`, `save` freezes the state (copies on its devices, one
+    dispatch that does not wait for the step computing it; on host when the
+    devices lack room) and Orbax's save runs on keras_dist's writer thread,
+    device -> host copies included; with several processes too (Orbax's
+    barriers then go through JAX's coordination service, `_orbax.py`). One
+    save is in flight at a time: a newer `save` first waits for the older. A
     write that failed in the background raises `CheckpointWriteError` (its
     path and cause) at the next `check`, `save`, `wait` or `close`; the
     backup it was writing is never committed, so the previous one is intact.
-
-    In one process, an asynchronous `save` only freezes the state (copies
-    on its devices, one dispatch that does not wait for the step computing
-    it; on host when the devices lack room) and Orbax's save runs on
-    keras_dist's writer thread, device -> host copies included. With
-    several processes saves are synchronous: Orbax's save runs device
-    collectives (`sync_global_devices`) that must keep the training
-    thread's order, and Orbax 0.12's own asynchronous commit races there
-    ("ArrayMetadata Store contains metadata from just one process").
     """
 
     def __init__(self, directory: str, *, async_save: bool):
@@ -59,22 +53,21 @@ class BackupStore:
         self.directory = directory
         self.async_save = async_save
         self.pending: int | None = None  # The number of a save in flight.
-        # Asynchronous: Orbax's save on keras_dist's writer thread. With
-        # several processes Orbax's save runs device collectives
-        # (`sync_global_devices`), which must keep the training thread's
-        # order: there it saves on the training thread.
         self._writer = None
-        if async_save and jax.process_count() == 1:
+        if async_save:
+            background_barriers()
             self._writer = BackgroundWriter(
-                "BackupAndRestore", f"The previous backup in {directory} is intact."
+                "BackupAndRestore",
+                f"The previous backup in {directory} is intact.",
+                orbax=True,
             )
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=2,
-                # Orbax 0.12's own asynchronous commit races with several
-                # processes ("ArrayMetadata Store contains metadata from
-                # just one process"): the writer thread runs its sync save.
+                # Orbax's own asynchronous commit is not used: its save runs
+                # on keras_dist's writer thread, which keeps one save in
+                # flight and raises its error on the training thread.
                 enable_async_checkpointing=False,
                 create=True,
                 # A backup an interrupted run left half-written (Orbax writes
@@ -82,6 +75,7 @@ class BackupStore:
                 cleanup_tmp_directories=True,
             ),
         )
+        without_preemption_queries(self._manager)
 
     def save(self, model, number: int, meta: dict) -> None:
         groups = variable_groups(model)
@@ -117,6 +111,10 @@ class BackupStore:
                 state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
             ),
         )
+
+    def latest(self) -> int | None:
+        """The newest backup's number (None: there is none)."""
+        return self._manager.latest_step()
 
     def check(self) -> None:
         """Raises the error of a background write that failed, if one did.

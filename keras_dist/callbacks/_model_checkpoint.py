@@ -64,8 +64,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     - `sharded=True` writes Orbax checkpoints instead (`filepath` is their
       directory, one subdirectory per training step): each process writes
       the parts of the state it holds, nothing is gathered on one host
-      (asynchronous in one process; with several, synchronous: Orbax's save
-      runs device collectives). The layout is
+      (asynchronous, with one process or several). The layout is
       `keras.callbacks.OrbaxCheckpoint`'s: `model.load_weights` reads it (by
       names) and `kd.callbacks.load_checkpoint` onto any mesh (by order);
       `latest_checkpoint` finds Keras's too;
@@ -201,6 +200,10 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             )
         self._last_save = time.monotonic()
         self._recorded = None  # Keras's saving walk, kept while it is reusable.
+        # Steps are counted on the host from here, so a save need not read
+        # the step counter (which waits for every step dispatched).
+        self._step_base = step_counter(self.model.optimizer)
+        self._step_end.start(self.params.get("steps"))
         call = _call.active()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
@@ -281,7 +284,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             return
         self._last_save = time.monotonic()
         sync_state(self.model)
-        step = step_counter(self.model.optimizer)
+        step = self._step(batch)
         if self.sharded:
             if self._sharded is None:  # Made by on_train_begin.
                 raise RuntimeError("ModelCheckpoint(sharded=True) saves only in `fit`.")
@@ -309,6 +312,15 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
         self._record(filepath, epoch, step)
+
+    def _step(self, batch: int | None) -> int:
+        """The training step a save after step index `batch` of this epoch
+        holds (`None`: the epoch's end): the optimizer's step count when
+        `fit` began plus the steps this `fit` ran, counted on the host (as
+        Keras's `OrbaxCheckpoint` counts batches). It equals the optimizer's
+        count unless a loss-scaling optimizer skipped steps."""
+        through = self._step_end.last if batch is None else batch
+        return self._step_base + self._step_end.steps_run(through)
 
     def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
         """The state to host memory here; the file written on the writer thread."""

@@ -5,10 +5,10 @@ checkpointables `pytree` and `model_config`), so `keras.models.load_model`
 and `model.load_weights` read it, and `kd.callbacks.ModelCheckpoint` and
 Keras's callback read each other's. Each process writes the parts of the
 state it holds (nothing is gathered on one host); Orbax commits a step by
-a rename once every part is written. In one process an asynchronous save
-freezes the state (`freeze`) and runs Orbax's save on keras_dist's writer
-thread; with several processes it is synchronous (Orbax's save runs device
-collectives, which must keep the training thread's order).
+a rename once every part is written. An asynchronous save freezes the
+state (`freeze`) and runs Orbax's save on keras_dist's writer thread, with
+several processes too (Orbax's barriers then go through JAX's coordination
+service: `_orbax.py`).
 """
 
 import json
@@ -19,6 +19,7 @@ import numpy as np
 
 from keras_dist._keras_compat._saving import freeze, orbax_payload
 from keras_dist.callbacks._background import BackgroundWriter
+from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
 
 __all__ = ["ShardedCheckpoints", "restore_sharded"]
 
@@ -62,11 +63,13 @@ class ShardedCheckpoints:
         else:
             preservation = policies.AnyPreservationPolicy(kept)
         self.directory = directory
-        # With several processes Orbax's save runs device collectives that
-        # must keep the training thread's order: synchronous there.
-        self.async_save = async_save and jax.process_count() == 1
+        self.async_save = async_save
+        if async_save:
+            background_barriers()
         self._writer = BackgroundWriter(
-            "ModelCheckpoint", f"The earlier checkpoints in {directory} are intact."
+            "ModelCheckpoint",
+            f"The earlier checkpoints in {directory} are intact.",
+            orbax=True,
         )
         self._checkpointer = ocp.training.Checkpointer(
             directory,
@@ -76,6 +79,7 @@ class ShardedCheckpoints:
             ),
             cleanup_tmp_directories=True,
         )
+        without_preemption_queries(self._checkpointer)
 
     def steps(self) -> list[int]:
         return sorted(c.step for c in self._checkpointer.checkpoints)

@@ -30,23 +30,62 @@ class StepEnd:
     `on_epoch_end`; each returns the last step index (in the epoch) of the
     execution that finished since the previous call, or None. Call `reset()`
     from `on_epoch_begin`.
+
+    It also counts the steps this `fit` ran (`steps_run`), on the host: a
+    save numbered by them need not read the optimizer's step counter, which
+    would wait for every step dispatched so far. Keras's epoch loop gives an
+    execution's planned end (`steps_per_execution` steps); an epoch's short
+    last execution is counted to the epoch's end where the number of steps
+    is known, and as planned where it is not (as Keras's own callbacks
+    count batches).
     """
 
     def __init__(self) -> None:
-        self._running: int | None = None
+        self._running: int | None = None  # The running execution's last step.
+        self._first: int | None = None  # The epoch's first step in this fit.
+        self._last: int | None = None  # The epoch's latest execution's last step.
+        self._before = 0  # Steps of this fit's earlier epochs.
+        self._steps: int | None = None  # Steps per epoch, if known.
+
+    def start(self, steps_per_epoch: int | None) -> None:
+        """A new `fit` (call from `on_train_begin`, with `params["steps"]`):
+        counts from zero."""
+        self._running = self._first = self._last = None
+        self._before = 0
+        self._steps = steps_per_epoch
 
     def reset(self) -> None:
-        self._running = None
+        if self._first is not None and self._last is not None:
+            self._before += self._clipped(self._last) + 1 - self._first
+        self._running = self._first = self._last = None
 
     def begin(self, batch: int) -> int | None:
         """The execution before the one starting at `batch` ended: its last step."""
+        if self._first is None:
+            self._first = batch
         finished, self._running = self._running, _end_of_execution(batch)
+        self._last = self._running
         return finished
 
     def epoch_end(self) -> int | None:
         """The epoch's last execution ended (if one ran since `begin`)."""
         finished, self._running = self._running, None
         return finished
+
+    @property
+    def last(self) -> int | None:
+        """The last step index of the epoch's latest execution (None: none ran)."""
+        return self._last
+
+    def steps_run(self, through: int | None) -> int:
+        """Steps this `fit` ran up to step index `through` of this epoch
+        (None: up to this epoch); a resumed epoch counts from its first step."""
+        if through is None or self._first is None:
+            return self._before
+        return self._before + self._clipped(through) + 1 - self._first
+
+    def _clipped(self, index: int) -> int:
+        return min(index, self._steps - 1) if self._steps else index
 
 
 def _end_of_execution(begin: int) -> int:

@@ -2,9 +2,10 @@
 
     keras-dist-run -n 2 --devices-per-process 4 kill_script.py WORKDIR
 
-Used by tests/cluster/test_kill_trials.py. Each step: a `BackupAndRestore`
-backup (synchronous with several processes) and an asynchronous
-`ModelCheckpoint` `.weights.h5` (the chief writes it in the background).
+Used by tests/cluster/test_kill_trials.py. Each step: an asynchronous
+`BackupAndRestore` backup (each process's Orbax thread writes its parts)
+and an asynchronous `ModelCheckpoint` `.weights.h5` (the chief writes it
+in the background).
 Writes `pid_<rank>` at start (the test kills one of them) and
 `weights_<rank>.json` when `fit` ends; KD_STEP_SECONDS slows each step.
 """

@@ -47,6 +47,35 @@ workdir = sys.argv[1]
 rank = jax.process_index()
 
 
+def record_threads() -> dict:
+    """Records the thread of every Orbax save of keras_dist's callbacks and
+    of every query of JAX's preemption service (`threads` in the result)."""
+    import threading
+
+    from jax.experimental import multihost_utils
+
+    from keras_dist.callbacks import _backup_store, _sharded_checkpoints
+
+    threads: dict = {"BackupStore": [], "ShardedCheckpoints": [], "preemption": []}
+
+    def recorded(owner, key, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            threads[key].append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, call)
+
+    recorded(_backup_store.BackupStore, "BackupStore", "_write")
+    recorded(_sharded_checkpoints.ShardedCheckpoints, "ShardedCheckpoints", "_write")
+    recorded(multihost_utils, "preemption", "reached_preemption_sync_point")
+    return threads
+
+
+threads = record_threads()
+
+
 def gpt2_run(strategy) -> dict:
     """The keras-hub GPT-2 of the 8-device acceptance test, on 2 x 4 devices."""
     model, history, evaluated, predicted = _models.run_case("gpt2", strategy)
@@ -87,6 +116,8 @@ for name, strategy in built.items():
 # (tests/strategies/test_sharded_models.py), the MLP workload here.
 results["fsdp"]["gpt2"] = gpt2_run(built["fsdp"])
 results["fsdp"]["loop"] = _workload.custom_loop_run(built["fsdp"])
+results["threads"] = {key: sorted(set(names)) for key, names in threads.items()}
+results["saves"] = {key: len(names) for key, names in threads.items()}
 with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
     json.dump(results, f)
 print(f"rank {rank} done", flush=True)

@@ -177,6 +177,24 @@ def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devi
     )
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_process_saves_run_on_the_writer_thread(cluster, rank):
+    """BackupAndRestore and sharded ModelCheckpoint save in the background
+    with several processes too; JAX's preemption service is asked only on
+    the training thread (a query from the writer could make the processes
+    agree on a step the training thread has passed: `_orbax.py`)."""
+    _, results = cluster
+    threads, saves = results[rank]["threads"], results[rank]["saves"]
+    # 4 fits x 2 epochs of 7 steps: backups every 3 steps and at epoch ends,
+    # a sharded checkpoint at each epoch end.
+    assert saves["BackupStore"] == 4 * 2 * 3
+    assert saves["ShardedCheckpoints"] == 4 * 2
+    for key in ("BackupStore", "ShardedCheckpoints"):
+        assert threads[key] == ["keras_dist-orbax_0"], threads
+    assert threads["preemption"] == ["MainThread"]
+    assert saves["preemption"] >= 4 * 2 * 7
+
+
 @functools.cache
 def gpt2_reference():
     return _models.run_case("gpt2", kd.OneDeviceStrategy("cpu:0"))

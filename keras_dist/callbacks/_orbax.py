@@ -1,0 +1,68 @@
+"""Orbax saves on keras_dist's writer thread, in one process or several.
+
+Three things make Orbax's synchronous save safe on a thread beside the
+training thread when several processes train together:
+
+- **One Orbax thread per process** (`_background.BackgroundWriter(orbax=
+  True)`): every process runs its callbacks' Orbax saves in the order the
+  training thread submitted them, the same order everywhere; two managers
+  saving at once would enter the same barriers in either order.
+- **Barriers through the coordination service.** Orbax's barriers
+  (`multihost.sync_global_processes`) run a device collective
+  (`sync_global_devices`) unless Orbax's flag
+  `experimental_orbax_use_distributed_barrier` is set. A collective issued
+  from the writer thread interleaves with the training thread's collectives
+  in another order on each process, and the processes hang (seen with 2
+  local processes). With the flag, Orbax waits at barriers of JAX's
+  coordination service, which need no device and time out (Orbax's 300 s),
+  so a peer that died ends the save with an error instead of a hang.
+- **No preemption queries.** Orbax's `CheckpointManager.save` asks JAX's
+  preemption service `reached_preemption_sync_point(step)`. That service
+  keeps the last step number it was asked about and, on a preemption,
+  agrees on the next one; a query from the writer thread with the backup's
+  (earlier) step number could make the processes agree on a step the
+  training thread has passed, and `BackupAndRestore` would never see it.
+  keras_dist's managers never ask; `BackupAndRestore` and
+  `PreemptionCheckpointHandler` ask on the training thread, once a step.
+"""
+
+import jax
+
+__all__ = ["background_barriers", "without_preemption_queries"]
+
+_BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
+
+
+def background_barriers() -> None:
+    """With several processes, Orbax's barriers go through the coordination
+    service (its flag `experimental_orbax_use_distributed_barrier`)."""
+    if jax.process_count() == 1:
+        return
+    # Orbax defines the flag when `orbax.checkpoint` is imported.
+    import orbax.checkpoint  # noqa: F401
+    from absl import flags
+
+    flag = flags.FLAGS[_BARRIER_FLAG]
+    flag.value = True
+    # Readable before absl parses the command line (absl reads a flag that
+    # was not parsed only if it is marked as given); a later parse keeps it.
+    flag.present = max(flag.present, 1)
+
+
+def _never_preempted(step: int) -> bool:
+    return False
+
+
+def without_preemption_queries(manager) -> None:
+    """`manager` (Orbax's `CheckpointManager`, or the v1 `Checkpointer`
+    around one) no longer asks JAX's preemption service at each save."""
+    inner = getattr(manager, "_manager", manager)  # v1 keeps its v0 manager.
+    if not hasattr(inner, "reached_preemption"):
+        import orbax.checkpoint
+
+        raise RuntimeError(
+            "keras_dist: Orbax's CheckpointManager has no `reached_preemption` "
+            f"in orbax-checkpoint {orbax.checkpoint.__version__}; keras_dist "
+            "is tested with 0.11 and 0.12: install one of those."
+        )
+    inner.reached_preemption = _never_preempted
