@@ -10,7 +10,11 @@ import time
 if os.environ.get("KD_SWITCH"):
     sys.setswitchinterval(float(os.environ["KD_SWITCH"]))
 LOG = os.environ.get("KD_LOG")
+STEPS_LOG = os.environ.get("KD_STEPS_LOG")
 TARGET = "keras_dist.callbacks._backup_store"
+CALLBACKS = "keras.src.callbacks.callback_list"
+STEP_TIMES: list = []
+WRITES: list = []
 
 
 def _wrap(module):
@@ -18,6 +22,7 @@ def _wrap(module):
 
     def _write(self, number, state, meta):
         start, cpu, d2h = time.perf_counter(), time.thread_time(), 0.0
+        WRITES.append(start)
         if os.environ.get("KD_PREHOST"):
             import numpy as np
 
@@ -29,6 +34,7 @@ def _wrap(module):
             "cpu": time.thread_time() - cpu,
             "d2h": d2h,
             "switch": sys.getswitchinterval(),
+            "start": start,
         }
         with open(LOG, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -36,9 +42,31 @@ def _wrap(module):
     module.BackupStore._write = _write
 
 
+def _wrap_callbacks(module):
+    """Times each step's begin on the training thread (`KD_STEPS_LOG`)."""
+    begin = module.CallbackList.on_train_batch_begin
+
+    def on_train_batch_begin(self, batch, logs=None):
+        STEP_TIMES.append(time.perf_counter())
+        return begin(self, batch, logs)
+
+    module.CallbackList.on_train_batch_begin = on_train_batch_begin
+
+    import atexit
+
+    def dump():
+        with open(STEPS_LOG, "w") as f:
+            json.dump({"steps": STEP_TIMES, "writes": WRITES}, f)
+
+    atexit.register(dump)
+
+
 class _Hook(importlib.abc.MetaPathFinder):
+    def __init__(self, name, wrap):
+        self.name, self.wrap = name, wrap
+
     def find_spec(self, name, path, target=None):
-        if name != TARGET or not LOG:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -46,10 +74,13 @@ class _Hook(importlib.abc.MetaPathFinder):
 
         def exec_and_wrap(module):
             exec_module(module)
-            _wrap(module)
+            self.wrap(module)
 
         spec.loader.exec_module = exec_and_wrap
         return spec
 
 
-sys.meta_path.insert(0, _Hook())
+if LOG:
+    sys.meta_path.insert(0, _Hook(TARGET, _wrap))
+if STEPS_LOG:
+    sys.meta_path.insert(0, _Hook(CALLBACKS, _wrap_callbacks))

@@ -89,18 +89,19 @@ class _Interrupt(keras.callbacks.Callback):
 def test_backup_and_restore_resumes_the_loss_scale(tmp_path, capsys, name):
     """Stopped after batch 7 of 8 (epoch 2, step 3), then resumed.
 
-    Batch 7 overflows: skipped, `iterations` stays 3 as after batch 6, so the
-    backup of batch 7 replaces the one of batch 6 (backups are numbered by
-    applied steps, counted by the inner optimizer); the resumed run must
-    start from batch 7's halved scale.
+    Batch 7 overflows: skipped, `iterations` stays 3 as after batch 6. The
+    backups are numbered by the steps run, counted on the host (1..7, so a
+    save never reads the step counter), not by the applied steps the inner
+    optimizer counts; the resumed run must start from batch 7's halved
+    scale, the newest backup.
     """
     backup = kd.callbacks.BackupAndRestore(tmp_path / "b", save_freq=1)
     interrupted = build(STRATEGIES[name](), RUN)
     with pytest.raises(RuntimeError, match="interrupted after 7 batches"):
         fit(interrupted, 2, backup, _Interrupt(7))
     at_backup = scale_state(interrupted.optimizer)
-    # Numbered by applied steps (0,0,0,1,1,2,3,3): the newest two are kept.
-    assert sorted(int(d.name) for d in (tmp_path / "b").iterdir()) == [2, 3]
+    # Numbered by the steps run, 1..7: the newest two are kept.
+    assert sorted(int(d.name) for d in (tmp_path / "b").iterdir()) == [6, 7]
     resumed = build(STRATEGIES[name](), RUN)
     recorder = ScaleRecorder()
     history = fit(resumed, 2, kd.callbacks.BackupAndRestore(tmp_path / "b"), recorder)
