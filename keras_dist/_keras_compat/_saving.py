@@ -48,6 +48,7 @@ from keras.src.saving.saving_lib import (
 __all__ = [
     "Snapshot",
     "freeze",
+    "model_config_json",
     "orbax_payload",
     "record",
     "reusable",
@@ -357,13 +358,24 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             _write_to_zip_recursively(zf, snap.assets_dir, _ASSETS_DIRNAME)
 
 
-def orbax_payload(model, *, weights_only: bool) -> dict:
+def model_config_json(model) -> str:
+    """Keras's JSON of `model` (as `model.save` writes it).
+
+    It reads the optimizer's learning rate on the host, which waits for the
+    steps dispatched so far (a running `fit` returns it from every step).
+    """
+    config_json, _ = _serialize_model_as_json(model)
+    return config_json
+
+
+def orbax_payload(model, *, weights_only: bool, config_json: str | None = None) -> dict:
     """What `keras.callbacks.OrbaxCheckpoint` saves, in its layout.
 
     `pytree`: `model.get_state_tree()` (device arrays: Orbax copies them to
     host and each process writes its own parts), only the weights with
-    `weights_only`; otherwise also `model_config` (Keras's JSON) and
-    `assets`. Keras's `load_model` / `load_weights` read it.
+    `weights_only`; otherwise also `model_config` (Keras's JSON, or
+    `config_json` when given: `model_config_json`'s of an earlier save)
+    and `assets`. Keras's `load_model` / `load_weights` read it.
     """
     state = model.get_state_tree()
     if weights_only:
@@ -373,7 +385,8 @@ def orbax_payload(model, *, weights_only: bool) -> dict:
                 "non_trainable_variables": state["non_trainable_variables"],
             }
         }
-    config_json, _ = _serialize_model_as_json(model)
+    if config_json is None:
+        config_json = model_config_json(model)
     payload = {"pytree": state, "model_config": {"config": config_json}}
     assets = _save_assets_to_dict(model)
     if assets is not None:

@@ -198,6 +198,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
+            if not self.save_weights_only:
+                with plain_learning_rate(self.model):  # As each save writes it.
+                    self._sharded.prepare(self.model)
         self._last_save = time.monotonic()
         self._recorded = None  # Keras's saving walk, kept while it is reusable.
         # Steps are counted on the host from here, so a save need not read

@@ -17,7 +17,11 @@ import os
 import jax
 import numpy as np
 
-from keras_dist._keras_compat._saving import freeze, orbax_payload
+from keras_dist._keras_compat._saving import (
+    freeze,
+    model_config_json,
+    orbax_payload,
+)
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
 
@@ -63,6 +67,7 @@ class ShardedCheckpoints:
         else:
             preservation = policies.AnyPreservationPolicy(kept)
         self.directory = directory
+        self._config_json: str | None = None
         self.async_save = async_save
         if async_save:
             background_barriers()
@@ -81,6 +86,15 @@ class ShardedCheckpoints:
         )
         without_preemption_queries(self._checkpointer)
 
+    def prepare(self, model) -> None:
+        """Makes Keras's JSON of `model` now (before `fit`'s first step, it
+        waits for nothing); a model Keras cannot serialize fails at the
+        first save instead, as with Keras's `OrbaxCheckpoint`."""
+        try:
+            self._config_json = model_config_json(model)
+        except Exception:  # Raised again by the first save.
+            self._config_json = None
+
     def steps(self) -> list[int]:
         return sorted(c.step for c in self._checkpointer.checkpoints)
 
@@ -89,7 +103,16 @@ class ShardedCheckpoints:
 
         None if that step is saved already (an epoch end right after a save).
         """
-        payload = orbax_payload(model, weights_only=weights_only)
+        # Keras's model JSON is made once a `fit` (this object's life), by
+        # `prepare` before the first step where it can: it reads the
+        # learning rate on the host, a wait for every step dispatched. The
+        # optimizer's variables, the learning rate's among them, are in the
+        # state written at every save.
+        if self._config_json is None and not weights_only:
+            self._config_json = model_config_json(model)
+        payload = orbax_payload(
+            model, weights_only=weights_only, config_json=self._config_json
+        )
         payload[ORDER] = {
             "paths": json.dumps(
                 {group: [v.path for v in get(model)] for group, get in GROUPS.items()}

@@ -49,7 +49,7 @@ def _model(strategy, **compile_kwargs):
 def recorded(monkeypatch):
     """Each Orbax write's number and the optimizer step count it holds, and
     how often the callbacks read the step counter."""
-    seen = {"backups": [], "sharded": [], "reads": 0}
+    seen = {"backups": [], "sharded": [], "reads": 0, "configs": 0}
     write_backup = _backup_store.BackupStore._write
     write_sharded = _sharded_checkpoints.ShardedCheckpoints._write
 
@@ -71,6 +71,13 @@ def recorded(monkeypatch):
 
         return read
 
+    config_json = _sharded_checkpoints.model_config_json
+
+    def config(model):
+        seen["configs"] += 1
+        return config_json(model)
+
+    monkeypatch.setattr(_sharded_checkpoints, "model_config_json", config)
     monkeypatch.setattr(_backup_store.BackupStore, "_write", backup)
     monkeypatch.setattr(_sharded_checkpoints.ShardedCheckpoints, "_write", sharded)
     for module in (_backup_and_restore, _model_checkpoint):
@@ -105,8 +112,10 @@ def test_each_save_is_numbered_by_the_step_count_it_holds(tmp_path, recorded, mo
     for number, held in recorded["backups"] + recorded["sharded"]:
         assert number == held
     assert sorted(int(n) for n in os.listdir(tmp_path / "sharded")) == sharded
-    # Once each, when `fit` began: never in a save.
+    # Once each, when `fit` began: never in a save. The same for Keras's
+    # model JSON of the sharded checkpoints (it reads the learning rate).
     assert recorded["reads"] == 2
+    assert recorded["configs"] == 1
 
 
 def test_numbers_go_on_from_a_resumed_backup(tmp_path, recorded):
