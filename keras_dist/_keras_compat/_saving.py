@@ -48,7 +48,7 @@ from keras.src.saving.saving_lib import (
 __all__ = [
     "Snapshot",
     "freeze",
-    "model_config_json",
+    "model_files",
     "orbax_payload",
     "record",
     "reusable",
@@ -358,24 +358,31 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             _write_to_zip_recursively(zf, snap.assets_dir, _ASSETS_DIRNAME)
 
 
-def model_config_json(model) -> str:
-    """Keras's JSON of `model` (as `model.save` writes it).
+def model_files(model) -> dict:
+    """The checkpointables of `keras.callbacks.OrbaxCheckpoint` beside the
+    state: `model_config` (Keras's JSON, as `model.save` writes it) and
+    `assets` (the model's asset files), if it has any.
 
-    It reads the optimizer's learning rate on the host, which waits for the
-    steps dispatched so far (a running `fit` returns it from every step).
+    Making them reads the optimizer's learning rate on the host, and with
+    several processes Keras's walk for assets waits too: in a running `fit`
+    a wait for every step dispatched so far. `ModelCheckpoint(sharded=True)`
+    makes them once, when `fit` begins.
     """
     config_json, _ = _serialize_model_as_json(model)
-    return config_json
+    files: dict = {"model_config": {"config": config_json}}
+    assets = _save_assets_to_dict(model)
+    if assets is not None:
+        files["assets"] = assets
+    return files
 
 
-def orbax_payload(model, *, weights_only: bool, config_json: str | None = None) -> dict:
+def orbax_payload(model, *, weights_only: bool, files: dict | None = None) -> dict:
     """What `keras.callbacks.OrbaxCheckpoint` saves, in its layout.
 
     `pytree`: `model.get_state_tree()` (device arrays: Orbax copies them to
     host and each process writes its own parts), only the weights with
-    `weights_only`; otherwise also `model_config` (Keras's JSON, or
-    `config_json` when given: `model_config_json`'s of an earlier save)
-    and `assets`. Keras's `load_model` / `load_weights` read it.
+    `weights_only`; otherwise also `model_files(model)` (or `files`, made
+    earlier by it). Keras's `load_model` / `load_weights` read it.
     """
     state = model.get_state_tree()
     if weights_only:
@@ -385,10 +392,4 @@ def orbax_payload(model, *, weights_only: bool, config_json: str | None = None) 
                 "non_trainable_variables": state["non_trainable_variables"],
             }
         }
-    if config_json is None:
-        config_json = model_config_json(model)
-    payload = {"pytree": state, "model_config": {"config": config_json}}
-    assets = _save_assets_to_dict(model)
-    if assets is not None:
-        payload["assets"] = assets
-    return payload
+    return {"pytree": state, **(model_files(model) if files is None else files)}

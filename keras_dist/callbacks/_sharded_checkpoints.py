@@ -19,7 +19,7 @@ import numpy as np
 
 from keras_dist._keras_compat._saving import (
     freeze,
-    model_config_json,
+    model_files,
     orbax_payload,
 )
 from keras_dist.callbacks._background import BackgroundWriter
@@ -67,7 +67,7 @@ class ShardedCheckpoints:
         else:
             preservation = policies.AnyPreservationPolicy(kept)
         self.directory = directory
-        self._config_json: str | None = None
+        self._files: dict | None = None
         self.async_save = async_save
         if async_save:
             background_barriers()
@@ -87,13 +87,13 @@ class ShardedCheckpoints:
         without_preemption_queries(self._checkpointer)
 
     def prepare(self, model) -> None:
-        """Makes Keras's JSON of `model` now (before `fit`'s first step, it
-        waits for nothing); a model Keras cannot serialize fails at the
-        first save instead, as with Keras's `OrbaxCheckpoint`."""
+        """Makes Keras's JSON and assets of `model` now (before `fit`'s first
+        step, it waits for nothing); a model Keras cannot serialize fails at
+        the first save instead, as with Keras's `OrbaxCheckpoint`."""
         try:
-            self._config_json = model_config_json(model)
+            self._files = model_files(model)
         except Exception:  # Raised again by the first save.
-            self._config_json = None
+            self._files = None
 
     def steps(self) -> list[int]:
         return sorted(c.step for c in self._checkpointer.checkpoints)
@@ -103,16 +103,13 @@ class ShardedCheckpoints:
 
         None if that step is saved already (an epoch end right after a save).
         """
-        # Keras's model JSON is made once a `fit` (this object's life), by
-        # `prepare` before the first step where it can: it reads the
-        # learning rate on the host, a wait for every step dispatched. The
-        # optimizer's variables, the learning rate's among them, are in the
-        # state written at every save.
-        if self._config_json is None and not weights_only:
-            self._config_json = model_config_json(model)
-        payload = orbax_payload(
-            model, weights_only=weights_only, config_json=self._config_json
-        )
+        # Keras's model JSON and assets are made once a `fit` (this object's
+        # life), by `prepare` before the first step where it can: making
+        # them waits for every step dispatched. The optimizer's variables,
+        # the learning rate's among them, are in the state of every save.
+        if self._files is None and not weights_only:
+            self._files = model_files(model)
+        payload = orbax_payload(model, weights_only=weights_only, files=self._files)
         payload[ORDER] = {
             "paths": json.dumps(
                 {group: [v.path for v in get(model)] for group, get in GROUPS.items()}

@@ -71,13 +71,13 @@ def recorded(monkeypatch):
 
         return read
 
-    config_json = _sharded_checkpoints.model_config_json
+    files = _sharded_checkpoints.model_files
 
     def config(model):
         seen["configs"] += 1
-        return config_json(model)
+        return files(model)
 
-    monkeypatch.setattr(_sharded_checkpoints, "model_config_json", config)
+    monkeypatch.setattr(_sharded_checkpoints, "model_files", config)
     monkeypatch.setattr(_backup_store.BackupStore, "_write", backup)
     monkeypatch.setattr(_sharded_checkpoints.ShardedCheckpoints, "_write", sharded)
     for module in (_backup_and_restore, _model_checkpoint):
@@ -113,7 +113,7 @@ def test_each_save_is_numbered_by_the_step_count_it_holds(tmp_path, recorded, mo
         assert number == held
     assert sorted(int(n) for n in os.listdir(tmp_path / "sharded")) == sharded
     # Once each, when `fit` began: never in a save. The same for Keras's
-    # model JSON of the sharded checkpoints (it reads the learning rate).
+    # model JSON and assets of the sharded checkpoints (making them waits).
     assert recorded["reads"] == 2
     assert recorded["configs"] == 1
 
