@@ -305,3 +305,50 @@ def test_bad_arguments_name_the_argument(tmp_path, kwargs, error, match):
         error, match=match.replace("c/", ".*c/").replace("c.k", ".*c.k")
     ):
         kd.callbacks.ModelCheckpoint(**kwargs)
+
+
+@keras.saving.register_keras_serializable(package="kd_tests")
+class _WithAsset(keras.layers.Layer):
+    """A pass-through layer with an asset file (as a vocabulary layer has)."""
+
+    def __init__(self, words=("a", "b"), **kwargs):
+        super().__init__(**kwargs)
+        self.words = list(words)
+
+    def call(self, x):
+        return x
+
+    def get_config(self):
+        return {**super().get_config(), "words": self.words}
+
+    def save_assets(self, dir_path):
+        with open(os.path.join(dir_path, "vocab.txt"), "w") as f:
+            f.write("\n".join(self.words))
+
+
+def test_sharded_checkpoints_hold_the_model_json_and_assets(tmp_path):
+    """Made once when `fit` begins (making them waits for the dispatched
+    steps), and written with every checkpoint as Keras's OrbaxCheckpoint
+    writes them."""
+    import orbax.checkpoint as ocp
+
+    from keras_dist._keras_compat._saving import model_files
+
+    with _fsdp().scope():
+        model = keras.Sequential(
+            [keras.Input((6,)), _WithAsset(["x", "y", "z"]), keras.layers.Dense(3)]
+        )
+        compile_model(model)
+    directory = tmp_path / "sharded"
+    _fit(model, kd.callbacks.ModelCheckpoint(str(directory), sharded=True))
+    expected = model_files(model)
+    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+    assert steps == [4, 8]
+    for step in steps:
+        saved = ocp.v1.load_checkpointables(
+            directory / str(step), {"model_config": None, "assets": None}
+        )
+        assert saved["model_config"] == expected["model_config"]
+        (layer,) = saved["assets"]["layers"].values()
+        vocab = bytes(np.asarray(layer["vocab.txt"], dtype=np.uint8))
+        assert vocab == b"x\ny\nz"
