@@ -131,11 +131,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         self._restore(call)
         self._global_step = step_counter(self.model.optimizer)
-        # Backups are numbered on the host from here (`_number`), so a save
+        # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.
-        self._number_base = max(self._global_step, self._open_store().latest() or 0)
-        self._step_end.start(self.params.get("steps"))
+        self._step_end.start(
+            self.params.get("steps"),
+            max(self._global_step, self._open_store().latest() or 0),
+        )
         self._install_sigterm_handler()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._release)
@@ -237,7 +239,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = strategy_of_model(self.model)
         self._open_store().save(
             self.model,
-            self._number(through),
+            # Counted on the host (`StepEnd.step`): the optimizer's step
+            # count, unless a loss-scaling optimizer skipped steps (then
+            # higher), and always above the backups in the directory.
+            self._step_end.step(through),
             {
                 "epoch": int(epoch),
                 "step": int(step),
@@ -245,13 +250,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
             },
         )
-
-    def _number(self, through: int | None) -> int:
-        """The backup's number: the optimizer's step count when `fit` began
-        (or the newest backup's number, if higher) plus the steps this `fit`
-        ran, counted on the host. It equals the optimizer's step count
-        unless a loss-scaling optimizer skipped steps (then it is higher)."""
-        return self._number_base + self._step_end.steps_run(through)
 
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step

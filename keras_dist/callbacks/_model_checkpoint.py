@@ -205,8 +205,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._recorded = None  # Keras's saving walk, kept while it is reusable.
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
-        self._step_base = step_counter(self.model.optimizer)
-        self._step_end.start(self.params.get("steps"))
+        self._step_end.start(
+            self.params.get("steps"), step_counter(self.model.optimizer)
+        )
         call = _call.active()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
@@ -322,8 +323,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         `fit` began plus the steps this `fit` ran, counted on the host (as
         Keras's `OrbaxCheckpoint` counts batches). It equals the optimizer's
         count unless a loss-scaling optimizer skipped steps."""
-        through = self._step_end.last if batch is None else batch
-        return self._step_base + self._step_end.steps_run(through)
+        return self._step_end.step(self._step_end.last if batch is None else batch)
 
     def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
         """The state to host memory here; the file written on the writer thread."""

@@ -31,9 +31,10 @@ class StepEnd:
     execution that finished since the previous call, or None. Call `reset()`
     from `on_epoch_begin`.
 
-    It also counts the steps this `fit` ran (`steps_run`), on the host: a
-    save numbered by them need not read the optimizer's step counter, which
-    would wait for every step dispatched so far. Keras's epoch loop gives an
+    It also counts the steps this `fit` ran, on the host, from the step
+    number `start` is given (`step`): a save numbered by them need not read
+    the optimizer's step counter, which would wait for every step
+    dispatched so far. Keras's epoch loop gives an
     execution's planned end (`steps_per_execution` steps); an epoch's short
     last execution is counted to the epoch's end where the number of steps
     is known, and as planned where it is not (as Keras's own callbacks
@@ -46,13 +47,15 @@ class StepEnd:
         self._last: int | None = None  # The epoch's latest execution's last step.
         self._before = 0  # Steps of this fit's earlier epochs.
         self._steps: int | None = None  # Steps per epoch, if known.
+        self._base = 0  # The step number `fit` began at.
 
-    def start(self, steps_per_epoch: int | None) -> None:
-        """A new `fit` (call from `on_train_begin`, with `params["steps"]`):
-        counts from zero."""
+    def start(self, steps_per_epoch: int | None, first_step: int) -> None:
+        """A new `fit` (call from `on_train_begin`, with `params["steps"]`
+        and the step number it begins at): counts from there."""
         self._running = self._first = self._last = None
         self._before = 0
         self._steps = steps_per_epoch
+        self._base = first_step
 
     def reset(self) -> None:
         if self._first is not None and self._last is not None:
@@ -77,12 +80,13 @@ class StepEnd:
         """The last step index of the epoch's latest execution (None: none ran)."""
         return self._last
 
-    def steps_run(self, through: int | None) -> int:
-        """Steps this `fit` ran up to step index `through` of this epoch
-        (None: up to this epoch); a resumed epoch counts from its first step."""
+    def step(self, through: int | None) -> int:
+        """The step number after step index `through` of this epoch (None:
+        before this epoch): `start`'s number plus the steps this `fit` ran
+        (a resumed epoch counts from its first step)."""
         if through is None or self._first is None:
-            return self._before
-        return self._before + self._clipped(through) + 1 - self._first
+            return self._base + self._before
+        return self._base + self._before + self._clipped(through) + 1 - self._first
 
     def _clipped(self, index: int) -> int:
         return min(index, self._steps - 1) if self._steps else index
