@@ -156,6 +156,40 @@ def _to_numpy(arrays: list) -> list:
     ]
 
 
+def _in_device_memory(a: jax.Array) -> bool:
+    return getattr(a.sharding, "memory_kind", None) in (None, "device")
+
+
+def _first_devices(a: jax.Array) -> list:
+    """Each process's first device (by id) among those holding `a`: the same
+    list on every process."""
+    first: dict = {}
+    for d in sorted(a.sharding.device_set, key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in sorted(first)]
+
+
+def _first_replica(a: jax.Array) -> jax.Array:
+    """`a`'s replica on this process's first device (no copy, no wait)."""
+    here = jax.process_index()
+    device = next(d for d in _first_devices(a) if d.process_index == here)
+    return next(s.data for s in a.addressable_shards if s.device == device)
+
+
+def _replicated_on_first_devices(a: jax.Array, local: jax.Array) -> jax.Array:
+    """A global array with `a`'s value: replicated on each process's first
+    device (`local`, this process's copy). Orbax writes it from process 0
+    alone, as it writes `a`; a restore lays it out as its target says."""
+    devices = _first_devices(a)
+    if len(devices) == 1:
+        return local
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(devices), ("processes",)),
+        jax.sharding.PartitionSpec(),
+    )
+    return jax.make_array_from_single_device_arrays(a.shape, sharding, [local])
+
+
 @jax.jit
 def _copy(arrays: list) -> list:
     """New buffers with the values of `arrays`, laid out alike (a compiled
@@ -173,26 +207,32 @@ def freeze(
     computes them, and the next step may donate the originals) when the
     devices have room (values with parts on other processes always: every
     process must run the same copy), else copied to host now (which waits
-    for that step). They stay global arrays (what Orbax writes, each process its parts):
-    with several processes every process must freeze the same values in
-    the same order.
+    for that step). They stay global arrays (what Orbax writes, each
+    process its parts): with several processes every process must freeze
+    the same values in the same order. A value replicated on several
+    devices is copied once per process, on its first device (a writer reads
+    one replica): the frozen array is replicated on those devices.
 
     With `to_host_arrays` (for a writer that needs the whole value on this
     process), a value with parts on other processes is gathered to host now
-    (a collective), and a replicated one is taken from this process's
-    devices. Without `copy_local` (a process that only takes part in those
+    (a collective), and a replicated one is copied from this process's
+    first device. Without `copy_local` (a process that only takes part in those
     gathers: it writes nothing), the values on this process are not copied.
     """
     values = [v.value if isinstance(v, keras.Variable) else v for v in values]
     out = list(values)
-    if to_host_arrays:
-        for i, v in enumerate(values):
-            if not isinstance(v, jax.Array) or v.is_fully_addressable:
-                continue
-            if v.is_fully_replicated:  # Whole on this process's devices too.
-                values[i] = v.addressable_shards[0].data
-            else:
-                out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    # A replicated value is frozen once per process, not once per device:
+    # its copy on this process's first device (a writer reads one replica).
+    replicated: dict[int, jax.Array] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, jax.Array):
+            continue
+        if v.is_fully_replicated and len(v.sharding.device_set) > 1:
+            if _in_device_memory(v):
+                replicated[i] = v
+                values[i] = _first_replica(v)
+        elif to_host_arrays and not v.is_fully_addressable:
+            out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
     arrays = [
         i
         for i, v in enumerate(values)
@@ -211,13 +251,22 @@ def freeze(
     for (_, on_device), members in groups.items():
         group = [values[i] for i in members]
         # Values spanning processes: every process must take the same road.
-        spans = not all(a.is_fully_addressable for a in group)
+        # (A replicated value's copy is one of a global array's parts.)
+        spans = not all(a.is_fully_addressable for a in group) or any(
+            not replicated[i].is_fully_addressable
+            for i in members
+            if i in replicated and not to_host_arrays
+        )
         if on_device and (spans or _room_on_devices(group)):
             copies = _copy(group)
         else:
             copies = _to_numpy(group)
         for i, copy in zip(members, copies, strict=True):
             out[i] = copy
+    if not to_host_arrays:  # Global arrays again (what Orbax writes).
+        for i, v in replicated.items():
+            if isinstance(out[i], jax.Array):
+                out[i] = _replicated_on_first_devices(v, out[i])
     for i, v in enumerate(values):
         if not isinstance(v, jax.Array):
             out[i] = np.asarray(keras.ops.convert_to_numpy(v))

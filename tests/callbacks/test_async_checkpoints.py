@@ -352,3 +352,27 @@ def test_sharded_checkpoints_hold_the_model_json_and_assets(tmp_path):
         (layer,) = saved["assets"]["layers"].values()
         vocab = bytes(np.asarray(layer["vocab.txt"], dtype=np.uint8))
         assert vocab == b"x\ny\nz"
+
+
+def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
+    """A save freezes one replica of a mirrored value (8 copies cost 8 times
+    the device memory and copying), and each device's part of a split one."""
+    import jax
+
+    from keras_dist._keras_compat._saving import freeze
+
+    with kd.MirroredStrategy().scope():
+        mirrored = keras.Variable(np.arange(32.0).reshape(4, 8))
+    with _fsdp().scope():
+        split = keras.Variable(np.arange(64.0).reshape(8, 8))
+    assert len(mirrored.value.sharding.device_set) == 8
+    assert not split.value.sharding.is_fully_replicated
+    frozen_mirrored, frozen_split = freeze([mirrored, split])
+    assert frozen_mirrored.sharding.device_set == {jax.devices()[0]}
+    assert frozen_split.sharding == split.value.sharding
+    mirrored.assign(np.zeros((4, 8)))  # The frozen copies are copies.
+    split.assign(np.zeros((8, 8)))
+    np.testing.assert_array_equal(frozen_mirrored, np.arange(32.0).reshape(4, 8))
+    np.testing.assert_array_equal(frozen_split, np.arange(64.0).reshape(8, 8))
+    (on_host,) = freeze([mirrored], to_host_arrays=True)
+    np.testing.assert_array_equal(np.asarray(on_host), np.zeros((4, 8)))
