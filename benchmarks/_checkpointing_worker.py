@@ -7,7 +7,9 @@ Trains an MLP with Adam (`SIZE`: its state, weights + Adam's two slots, of
 True); `mirrored`), one warm-up `fit` of `EVERY` steps (compilation), then
 one timed `fit` of `STEPS` steps with the configuration's callback saving
 every `EVERY` steps into `DIR`. Prints `RESULT {json}`: ms/step, the
-seconds the training thread spent in each save (`blocked_s`) and, of
+process's CPU time per step (every thread: what saving costs the host), the
+seconds the training thread spent in each save (`blocked_s`), its own CPU
+seconds in each (`blocked_cpu_s`) and, of
 those, waiting for the previous save to finish (`waited_s`: keras_dist's
 callbacks only; a save that reads a value of the state on the host also
 waits there for the steps already dispatched), the wait for saves in
@@ -17,6 +19,7 @@ RSS before the timed `fit`.
 """
 
 import os
+import resource
 import sys
 import threading
 import time
@@ -86,12 +89,17 @@ _SAVE = {"inside": False, "waited": 0.0, "depth": 0}
 WAITED: list = []
 
 
+BLOCKED_CPU: list = []
+
+
 def _timed(obj, name: str, record: list, save: bool = False) -> None:
-    """Records the seconds each call of `obj.name` takes (a save's block)."""
+    """Records the seconds each call of `obj.name` takes (a save's block),
+    and for a save the training thread's own CPU seconds in it (the rest of
+    its block is waiting: for a core, a lock, or the previous save)."""
     method = getattr(obj, name)
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         if save:
             _SAVE.update(inside=True, waited=0.0)
         try:
@@ -99,6 +107,7 @@ def _timed(obj, name: str, record: list, save: bool = False) -> None:
         finally:
             record.append(time.perf_counter() - start)
             if save:
+                BLOCKED_CPU.append(time.thread_time() - cpu)
                 WAITED.append(_SAVE["waited"])
                 _SAVE["inside"] = False
 
@@ -163,6 +172,12 @@ def callback(blocked: list):
     return cb
 
 
+def _process_cpu_seconds() -> float:
+    """This process's CPU time, every thread (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _local_parts(value) -> list:
     """This process's distinct parts of `value` (one per index: a replicated
     value once)."""
@@ -222,7 +237,7 @@ def main():
     release_free_memory()  # The warm-up's freed memory: not counted twice.
     rss_before = RSSPeak.now()
     with RSSPeak() as rss:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), _process_cpu_seconds()
         history = model.fit(
             x[BATCH * EVERY :],
             y[BATCH * EVERY :],
@@ -232,6 +247,7 @@ def main():
             callbacks=[cb] if cb is not None else [],
         )
         seconds = time.perf_counter() - start
+        cpu = _process_cpu_seconds() - cpu
     state = sum(v.value.nbytes for v in model.variables + model.optimizer.variables)
     print_result(
         {
@@ -248,7 +264,9 @@ def main():
             "every": EVERY,
             "ms_per_step": [1000 * seconds / STEPS],
             "saves": len(blocked),
+            "host_cpu_ms_per_step": [1000 * cpu / STEPS],
             "blocked_s": blocked,
+            "blocked_cpu_s": BLOCKED_CPU,
             "waited_s": WAITED,
             "end_wait_s": sum(ends),
             "host_copy_s": host_copy_seconds(model),

@@ -26,6 +26,7 @@ for the save in flight, and the peak RSS above the RSS before the timed
 keras_dist configurations. Writes `checkpointing.{json,md,png}` to `--out`.
 
     python benchmarks/checkpointing.py --quick        # ~100 MB only: ~8 min CPU
+    python benchmarks/checkpointing.py --quick --repeats 3   # ~25 min CPU
     python benchmarks/checkpointing.py                # + ~1 GB
     python benchmarks/checkpointing.py --platform gpu --layouts mirrored
     python benchmarks/checkpointing.py --processes 2 --sizes 1gb --layouts fsdp
@@ -38,7 +39,15 @@ import platform
 import statistics
 import tempfile
 
-from _runs import fmt, machine, pyplot, run_worker, targets_table, write_results
+from _runs import (
+    combine_runs,
+    fmt,
+    machine,
+    pyplot,
+    run_worker,
+    targets_table,
+    write_results,
+)
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = [
@@ -71,7 +80,30 @@ def _parser():
     )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh processes per configuration, in rounds (A B C ... A B C "
+        "...): the median of their step times is the row's",
+    )
     return p
+
+
+def combine(runs: list) -> dict:
+    """One row from several fresh processes of one configuration: the median
+    step time (`combine_runs`), every save's block (all runs'), the median
+    device -> host copy and end wait, the largest extra RSS."""
+    row = combine_runs(runs)
+    done = [r for r in runs if "error" not in r]
+    if not done:
+        return row
+    for key in ("blocked_s", "blocked_cpu_s", "waited_s"):
+        row[key] = [x for r in done for x in r.get(key, [])]
+    for key in ("host_copy_s", "end_wait_s"):
+        row[key] = statistics.median(r[key] for r in done)
+    row["extra_rss_mb"] = max(r["extra_rss_mb"] for r in done)
+    return row
 
 
 def analyse(rows: list) -> list:
@@ -85,6 +117,8 @@ def analyse(rows: list) -> list:
         own = [b - w for b, w in zip(blocked, waited, strict=True)]
         row["own_blocked_ms"] = 1000 * statistics.median(own) if own else 0.0
         row["waited_ms"] = 1000 * statistics.median(waited) if waited else 0.0
+        cpu = row.get("blocked_cpu_s") or []
+        row["blocked_cpu_ms"] = 1000 * statistics.median(cpu) if cpu else None
         row["host_copy_ms"] = 1000 * row["host_copy_s"]
         base = next(
             (
@@ -131,25 +165,34 @@ def markdown(payload: dict) -> str:
     out = [
         f"Measured {payload['date']} on {payload['machine']}: an MLP with Adam, "
         f"{payload['steps']} timed steps, a save every {payload['every']} steps "
-        "(the timed fit's end included: it waits for the save in flight).",
+        "(the timed fit's end included: it waits for the save in flight); "
+        f"{payload.get('repeats', 1)} fresh process(es) per configuration, "
+        "in rounds: ms/step is their median (min-max), the save columns "
+        "are medians over every run's saves. Host CPU: the process's CPU "
+        "time (all threads) per timed step. Training thread CPU: its own CPU "
+        "time in a save (the rest of its block is waiting for a core, a lock "
+        "or the previous save).",
         "",
-        "| size | layout | config | ms/step | x no-save | blocked ms/save "
-        "(median) | of which waiting for the previous save | device->host ms | "
+        "| size | layout | config | ms/step (min-max) | x no-save | host CPU "
+        "ms/step | blocked ms/save (median) | training thread CPU ms/save | "
+        "of which waiting for the previous save | device->host ms | "
         "end wait ms | extra RSS MB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         if "error" in r:
             out.append(
                 f"| {r['size']} | {r['layout']} | {r['config']} | failed: "
-                f"{r['error'][:80]} | | | | | | |"
+                f"{r['error'][:80]} | | | | | | | | |"
             )
             continue
         out.append(
             f"| {r['size']} ({r['state_mb']:.0f} MB) | {r['layout']} | "
-            f"{r['config']} | {r['ms_median']:.1f} | {fmt(r['slowdown'])} | "
-            f"{r['blocked_ms']:.1f} | {r['waited_ms']:.1f} | "
-            f"{r['host_copy_ms']:.1f} | "
+            f"{r['config']} | {r['ms_median']:.1f} ({r['ms_min']:.0f}-"
+            f"{r['ms_max']:.0f}) | {fmt(r['slowdown'])} | "
+            f"{fmt(r.get('host_cpu_ms'), 0)} | "
+            f"{r['blocked_ms']:.1f} | {fmt(r['blocked_cpu_ms'], 1)} | "
+            f"{r['waited_ms']:.1f} | {r['host_copy_ms']:.1f} | "
             f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} |"
         )
     several = [r for r in payload["rows"] if "error" not in r and r.get("ranks")]
@@ -201,30 +244,36 @@ def plot(payload: dict, path) -> bool:
 def main():
     args = _parser().parse_args()
     sizes = args.sizes or ("100mb" if args.quick else "100mb,1gb")
-    rows = []
-    for size in sizes.split(","):
-        for layout in args.layouts.split(","):
-            for config in args.configs.split(","):
-                with tempfile.TemporaryDirectory(prefix="kd-ckpt-bench-") as d:
-                    row = run_worker(
-                        HERE / "_checkpointing_worker.py",
-                        [config, size, layout, args.steps, args.every, d],
-                        timeout=args.timeout,
-                        platform_name=args.platform,
-                        ident={"config": config, "size": size, "layout": layout},
-                        processes=args.processes,
-                    )
-                print(
-                    f"{size} {layout} {config}: "
-                    + (
-                        row["error"]
-                        if "error" in row
-                        else f"{row['ms_median']:.1f} ms/step, "
-                        f"{len(row['blocked_s'])} saves"
-                    ),
-                    flush=True,
+    jobs = [
+        (size, layout, config)
+        for size in sizes.split(",")
+        for layout in args.layouts.split(",")
+        for config in args.configs.split(",")
+    ]
+    runs: dict = {job: [] for job in jobs}
+    for _ in range(args.repeats):  # Rounds: A B C ... A B C ...
+        for size, layout, config in jobs:
+            with tempfile.TemporaryDirectory(prefix="kd-ckpt-bench-") as d:
+                row = run_worker(
+                    HERE / "_checkpointing_worker.py",
+                    [config, size, layout, args.steps, args.every, d],
+                    timeout=args.timeout,
+                    platform_name=args.platform,
+                    ident={"config": config, "size": size, "layout": layout},
+                    processes=args.processes,
                 )
-                rows.append(row)
+            print(
+                f"{size} {layout} {config}: "
+                + (
+                    row["error"]
+                    if "error" in row
+                    else f"{row['ms_median']:.1f} ms/step, "
+                    f"{len(row['blocked_s'])} saves"
+                ),
+                flush=True,
+            )
+            runs[(size, layout, config)].append(row)
+    rows = [combine(runs[job]) for job in jobs]
     targets = analyse(rows)
     devices = next((r["devices"] for r in rows if "devices" in r), 8)
     payload = {
@@ -233,6 +282,7 @@ def main():
         "python": platform.python_version(),
         "steps": args.steps,
         "every": args.every,
+        "repeats": args.repeats,
         "rows": rows,
         "targets": targets,
     }
