@@ -128,7 +128,11 @@ class ShardedCheckpoints:
         return path
 
     def _write(self, step: int, payload: dict) -> None:
-        with _v1().Context():
+        context = _v1().Context()
+        # Uncompressed, as Keras's `.weights.h5`: zstd saves ~9% of a float
+        # state's bytes and more than doubles a write's CPU time.
+        context.array.saving.use_compression = False
+        with context:
             self._checkpointer.save_checkpointables(step, payload)
 
     def check(self) -> None:
