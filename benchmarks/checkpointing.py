@@ -25,8 +25,8 @@ for the save in flight, and the peak RSS above the RSS before the timed
 1.05x, blocked <= 1.2x the device -> host copy, for the asynchronous
 keras_dist configurations. Writes `checkpointing.{json,md,png}` to `--out`.
 
-    python benchmarks/checkpointing.py --quick        # ~100 MB only: ~8 min CPU
-    python benchmarks/checkpointing.py --quick --repeats 3   # ~25 min CPU
+    python benchmarks/checkpointing.py --quick        # ~100 MB only: ~7 min CPU
+    python benchmarks/checkpointing.py --quick --repeats 3   # ~20 min CPU
     python benchmarks/checkpointing.py                # + ~1 GB
     python benchmarks/checkpointing.py --platform gpu --layouts mirrored
     python benchmarks/checkpointing.py --processes 2 --sizes 1gb --layouts fsdp
