@@ -163,8 +163,9 @@ def _in_device_memory(a: jax.Array) -> bool:
 def _first_devices(a: jax.Array) -> list:
     """Each process's first device (by id) among those holding `a`: the same
     list on every process."""
+    devices: list[Any] = list(a.sharding.device_set)
     first: dict = {}
-    for d in sorted(a.sharding.device_set, key=lambda d: d.id):
+    for d in sorted(devices, key=lambda d: d.id):
         first.setdefault(d.process_index, d)
     return [first[p] for p in sorted(first)]
 
