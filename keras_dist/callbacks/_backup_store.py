@@ -6,7 +6,7 @@ import warnings
 import jax
 import numpy as np
 
-from keras_dist._keras_compat._saving import freeze
+from keras_dist._keras_compat._freeze import freeze
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
 from keras_dist.errors import IncompatibleBackupError

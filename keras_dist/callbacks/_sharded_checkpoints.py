@@ -17,11 +17,8 @@ import os
 import jax
 import numpy as np
 
-from keras_dist._keras_compat._saving import (
-    freeze,
-    model_files,
-    orbax_payload,
-)
+from keras_dist._keras_compat._freeze import freeze
+from keras_dist._keras_compat._saving import model_files, orbax_payload
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
 

@@ -359,7 +359,7 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     the device memory and copying), and each device's part of a split one."""
     import jax
 
-    from keras_dist._keras_compat._saving import freeze
+    from keras_dist._keras_compat._freeze import freeze
 
     with kd.MirroredStrategy().scope():
         mirrored = keras.Variable(np.arange(32.0).reshape(4, 8))

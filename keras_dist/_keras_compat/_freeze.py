@@ -1,0 +1,168 @@
+"""A model's state frozen without waiting for the step computing it.
+
+`freeze(values)` copies device arrays on their devices in one compiled,
+asynchronously dispatched program (the training thread does not wait for
+the step that computes them, and the next step may donate the originals),
+or to host memory when the devices lack room. A replicated value is copied
+once per process, on its first device. The writers (Keras's files in
+`_saving.py`, Orbax's in `callbacks/`) then read the copies on any thread.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+
+__all__ = ["freeze"]
+
+
+def _room_on_devices(values: list) -> bool:
+    """Whether every device has room for a copy of its parts of `values`.
+
+    Devices that report no memory statistics (CPU) are taken to have room.
+    """
+    need: dict = {}
+    for v in values:
+        for shard in v.addressable_shards:
+            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
+    for device, nbytes in need.items():
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            if nbytes > 0.9 * free:
+                return False
+    return True
+
+
+def _to_numpy(arrays: list) -> list:
+    """Host copies (waiting for the values); parts on other processes gathered."""
+    for a in arrays:
+        if a.is_fully_addressable:
+            a.copy_to_host_async()
+    return [
+        np.array(a, copy=True)
+        if a.is_fully_addressable
+        else np.asarray(multihost_utils.process_allgather(a, tiled=True))
+        for a in arrays
+    ]
+
+
+def _in_device_memory(a: jax.Array) -> bool:
+    return getattr(a.sharding, "memory_kind", None) in (None, "device")
+
+
+def _first_devices(a: jax.Array) -> list:
+    """Each process's first device (by id) among those holding `a`: the same
+    list on every process."""
+    devices: list[Any] = list(a.sharding.device_set)
+    first: dict = {}
+    for d in sorted(devices, key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in sorted(first)]
+
+
+def _first_replica(a: jax.Array) -> jax.Array:
+    """`a`'s replica on this process's first device (no copy, no wait)."""
+    here = jax.process_index()
+    device = next(d for d in _first_devices(a) if d.process_index == here)
+    return next(s.data for s in a.addressable_shards if s.device == device)
+
+
+def _replicated_on_first_devices(a: jax.Array, local: jax.Array) -> jax.Array:
+    """A global array with `a`'s value: replicated on each process's first
+    device (`local`, this process's copy). Orbax writes it from process 0
+    alone, as it writes `a`; a restore lays it out as its target says."""
+    devices = _first_devices(a)
+    if len(devices) == 1:
+        return local
+    sharding = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(devices), ("processes",)),
+        jax.sharding.PartitionSpec(),
+    )
+    return jax.make_array_from_single_device_arrays(a.shape, sharding, [local])
+
+
+@jax.jit
+def _copy(arrays: list) -> list:
+    """New buffers with the values of `arrays`, laid out alike (a compiled
+    program: dispatched without waiting for `arrays` to be computed)."""
+    return [a + jnp.zeros((), a.dtype) for a in arrays]
+
+
+def freeze(
+    values: list, *, to_host_arrays: bool = False, copy_local: bool = True
+) -> list:
+    """`values` frozen without waiting for them to be computed.
+
+    Device arrays are copied on their devices (one asynchronous dispatch of
+    a compiled copy: the training thread does not wait for the step that
+    computes them, and the next step may donate the originals) when the
+    devices have room (values with parts on other processes always: every
+    process must run the same copy), else copied to host now (which waits
+    for that step). They stay global arrays (what Orbax writes, each
+    process its parts): with several processes every process must freeze
+    the same values in the same order. A value replicated on several
+    devices is copied once per process, on its first device (a writer reads
+    one replica): the frozen array is replicated on those devices.
+
+    With `to_host_arrays` (for a writer that needs the whole value on this
+    process), a value with parts on other processes is gathered to host now
+    (a collective), and a replicated one is copied from this process's
+    first device. Without `copy_local` (a process that only takes part in those
+    gathers: it writes nothing), the values on this process are not copied.
+    """
+    values = [v.value if isinstance(v, keras.Variable) else v for v in values]
+    out = list(values)
+    # A replicated value is frozen once per process, not once per device:
+    # its copy on this process's first device (a writer reads one replica).
+    replicated: dict[int, jax.Array] = {}
+    for i, v in enumerate(values):
+        if not isinstance(v, jax.Array):
+            continue
+        if v.is_fully_replicated and len(v.sharding.device_set) > 1:
+            if _in_device_memory(v):
+                replicated[i] = v
+                values[i] = _first_replica(v)
+        elif to_host_arrays and not v.is_fully_addressable:
+            out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
+    arrays = [
+        i
+        for i, v in enumerate(values)
+        if isinstance(v, jax.Array) and not isinstance(out[i], np.ndarray)
+    ]
+    if not copy_local:
+        return out
+    # One compiled copy per set of devices (a program runs on one set);
+    # values kept in host memory (CentralStorageStrategy) go to NumPy.
+    groups: dict = {}
+    for i in arrays:
+        sharding = values[i].sharding
+        on_device = getattr(sharding, "memory_kind", None) in (None, "device")
+        key = (frozenset(d.id for d in sharding.device_set), on_device)
+        groups.setdefault(key, []).append(i)
+    for (_, on_device), members in groups.items():
+        group = [values[i] for i in members]
+        # Values spanning processes: every process must take the same road.
+        # (A replicated value's copy is one of a global array's parts.)
+        spans = not all(a.is_fully_addressable for a in group) or any(
+            not replicated[i].is_fully_addressable
+            for i in members
+            if i in replicated and not to_host_arrays
+        )
+        if on_device and (spans or _room_on_devices(group)):
+            copies = _copy(group)
+        else:
+            copies = _to_numpy(group)
+        for i, copy in zip(members, copies, strict=True):
+            out[i] = copy
+    if not to_host_arrays:  # Global arrays again (what Orbax writes).
+        for i, v in replicated.items():
+            if isinstance(out[i], jax.Array):
+                out[i] = _replicated_on_first_devices(v, out[i])
+    for i, v in enumerate(values):
+        if not isinstance(v, jax.Array):
+            out[i] = np.asarray(keras.ops.convert_to_numpy(v))
+    return out
