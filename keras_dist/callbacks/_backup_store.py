@@ -33,8 +33,8 @@ class BackupStore:
 
     A backup holds every variable of the model, its optimizer and metrics
     (uncompressed), plus a JSON `meta` dict (with each variable's path and
-    shape, to refuse a backup of another model). Each process writes the parts of split
-    variables it holds (Orbax); nothing is gathered whole.
+    shape, to refuse a backup of another model). Each process writes the
+    parts of split variables it holds (Orbax); nothing is gathered whole.
 
     With `async_save`, `save` freezes the state (copies on its devices, one
     dispatch that does not wait for the step computing it; on host when the
