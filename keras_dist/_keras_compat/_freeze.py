@@ -111,8 +111,9 @@ def freeze(
     With `to_host_arrays` (for a writer that needs the whole value on this
     process), a value with parts on other processes is gathered to host now
     (a collective), and a replicated one is copied from this process's
-    first device. Without `copy_local` (a process that only takes part in those
-    gathers: it writes nothing), the values on this process are not copied.
+    first device. Without `copy_local` (a process that only takes part in
+    those gathers: it writes nothing), the values on this process are not
+    copied.
     """
     values = [v.value if isinstance(v, keras.Variable) else v for v in values]
     out = list(values)
@@ -139,9 +140,8 @@ def freeze(
     # values kept in host memory (CentralStorageStrategy) go to NumPy.
     groups: dict = {}
     for i in arrays:
-        sharding = values[i].sharding
-        on_device = getattr(sharding, "memory_kind", None) in (None, "device")
-        key = (frozenset(d.id for d in sharding.device_set), on_device)
+        on_device = _in_device_memory(values[i])
+        key = (frozenset(d.id for d in values[i].sharding.device_set), on_device)
         groups.setdefault(key, []).append(i)
     for (_, on_device), members in groups.items():
         group = [values[i] for i in members]
