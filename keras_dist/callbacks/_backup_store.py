@@ -8,7 +8,11 @@ import numpy as np
 
 from keras_dist._keras_compat._freeze import freeze
 from keras_dist.callbacks._background import BackgroundWriter
-from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
+from keras_dist.callbacks._orbax import (
+    background_barriers,
+    collection_paused,
+    without_preemption_queries,
+)
 from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
@@ -112,12 +116,13 @@ class BackupStore:
 
         if number in self._manager.all_steps():
             self._manager.delete(number)
-        self._manager.save(  # Synchronous: written and committed on return.
-            number,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
-            ),
-        )
+        with collection_paused():
+            self._manager.save(  # Synchronous: written and committed on return.
+                number,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
+                ),
+            )
 
     def latest(self) -> int | None:
         """The newest backup's number (None: there is none)."""

@@ -16,6 +16,13 @@ training thread when several processes train together:
   local processes). With the flag, Orbax waits at barriers of JAX's
   coordination service, which need no device and time out (Orbax's 300 s),
   so a peer that died ends the save with an error instead of a hang.
+- **No cyclic garbage collection during a write** (`collection_paused`).
+  An Orbax save allocates enough short-lived Python objects to start
+  Python's collector 17-20 times (and, one save in eight, a full
+  collection walking the ~500 000 objects of a process that imported Keras
+  and JAX): 40-44 ms of a 96 MB backup's ~370-450 ms of CPU, all of it
+  holding the GIL the training thread needs to dispatch its next step.
+  The objects a save frees are freed by their reference counts anyway.
 - **No preemption queries.** Orbax's `CheckpointManager.save` asks JAX's
   preemption service `reached_preemption_sync_point(step)`. That service
   keeps the last step number it was asked about and, on a preemption,
@@ -26,9 +33,13 @@ training thread when several processes train together:
   `PreemptionCheckpointHandler` ask on the training thread, once a step.
 """
 
+import contextlib
+import gc
+import threading
+
 import jax
 
-__all__ = ["background_barriers", "without_preemption_queries"]
+__all__ = ["background_barriers", "collection_paused", "without_preemption_queries"]
 
 _BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
 
@@ -47,6 +58,32 @@ def background_barriers() -> None:
     # Readable before absl parses the command line (absl reads a flag that
     # was not parsed only if it is marked as given); a later parse keeps it.
     flag.present = max(flag.present, 1)
+
+
+_pause_lock = threading.Lock()
+_pauses = 0  # Writes inside `collection_paused` now, on any thread.
+_was_enabled = False  # Whether the first of them found the collector on.
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """Python's cyclic garbage collector off for the block (for the process:
+    it has no per-thread switch). Nested and concurrent blocks share one
+    pause; the last to leave turns the collector back on, only if the first
+    found it on (a program that turned it off keeps it off)."""
+    global _pauses, _was_enabled
+    with _pause_lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()
 
 
 def _never_preempted(step: int) -> bool:

@@ -20,7 +20,11 @@ import numpy as np
 from keras_dist._keras_compat._freeze import freeze
 from keras_dist._keras_compat._saving import model_files, orbax_payload
 from keras_dist.callbacks._background import BackgroundWriter
-from keras_dist.callbacks._orbax import background_barriers, without_preemption_queries
+from keras_dist.callbacks._orbax import (
+    background_barriers,
+    collection_paused,
+    without_preemption_queries,
+)
 
 __all__ = ["ShardedCheckpoints", "restore_sharded"]
 
@@ -129,7 +133,7 @@ class ShardedCheckpoints:
         # Uncompressed, as Keras's `.weights.h5`: zstd saves ~9% of a float
         # state's bytes and more than doubles a write's CPU time.
         context.array.saving.use_compression = False
-        with context:
+        with context, collection_paused():
             self._checkpointer.save_checkpointables(step, payload)
 
     def check(self) -> None:
