@@ -18,11 +18,12 @@ training thread when several processes train together:
   so a peer that died ends the save with an error instead of a hang.
 - **No cyclic garbage collection during a write** (`collection_paused`).
   An Orbax save allocates enough short-lived Python objects to start
-  Python's collector 17-20 times (and, one save in eight, a full
-  collection walking the ~500 000 objects of a process that imported Keras
-  and JAX): 40-44 ms of a 96 MB backup's ~370-450 ms of CPU, all of it
-  holding the GIL the training thread needs to dispatch its next step.
-  The objects a save frees are freed by their reference counts anyway.
+  Python's collector 17-20 times, and every 8-12 saves one of those is a
+  full collection walking the ~500 000 objects of a process that imported
+  Keras and JAX: 325-422 ms (a 96 MB backup's write: ~290-390 ms of CPU)
+  holding the GIL the training thread needs to dispatch its next step
+  (`benchmarks/save_cost.py --no-gc-pause`). The objects a save frees are
+  freed by their reference counts anyway.
 - **No preemption queries.** Orbax's `CheckpointManager.save` asks JAX's
   preemption service `reached_preemption_sync_point(step)`. That service
   keeps the last step number it was asked about and, on a preemption,
