@@ -58,7 +58,7 @@ def run_worker(
     """
     launcher = []
     if processes > 1:
-        launcher = ["-m", "keras_dist.launch", "-n", str(processes)]
+        launcher = ["-m", "keras_dist_run", "-n", str(processes)]
         launcher += ["--devices-per-process", str(devices // processes)]
     command = [sys.executable, *launcher, str(script), *(str(a) for a in args)]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

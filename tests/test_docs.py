@@ -98,7 +98,7 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
         "examples/multi_worker_digits.py --epochs 3"
     )
     args = [*command.split()[1:], "--epochs", "1", "--workdir", str(tmp_path)]
-    out = _run(["-m", "keras_dist.launch", *args])
+    out = _run(["-m", "keras_dist_run", *args])
     # The chief prints the progress (11 steps of 128) and PrintLR; nobody else.
     assert re.search(r"^\[0\] 11/11 - .* val_accuracy", out, re.M)
     assert "[0] Learning rate for epoch 1 is 0.003" in out

@@ -3,13 +3,16 @@
 Used by tests/callbacks/test_backup_and_restore.py as a real, separate process:
     python resume_script.py OUT_DIR   (env: KD_REPLICAS, KD_BACKUP, KD_KILL_AT,
                                        KD_SIGNAL=KILL|TERM, KD_SAVE_FREQ, KD_WIDTH,
-                                       KD_INPUT, KD_PLAIN, KD_ASYNC, KD_MC)
+                                       KD_INPUT, KD_PLAIN, KD_ASYNC, KD_MC,
+                                       KD_EPOCHS, KD_STEP_SECONDS)
 KD_INPUT picks the input: "numpy" (default: shuffled arrays, validation_split),
 "repeat" (tf.data shuffled each pass, `.repeat()`, steps_per_epoch=5: tf's
 multi-worker tutorial), "generator" (an infinite generator, steps_per_epoch=5),
 "finite-spe" (a finite tf.data of 8 batches read 3 steps per epoch: Keras keeps
 one iterator across epochs), "one-shot" (a finite generator read to its end).
-Writes OUT_DIR/weights.npz and OUT_DIR/history.json when fit completes.
+KD_EPOCHS (4) epochs; KD_STEP_SECONDS makes each step that much longer (a
+sleep after it: the numbers do not change). Writes OUT_DIR/weights.npz and
+OUT_DIR/history.json when fit completes.
 """
 
 import json
@@ -17,6 +20,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["KERAS_BACKEND"] = "jax"
@@ -81,7 +85,14 @@ class Interrupt(keras.callbacks.Callback):
             os.kill(os.getpid(), sig)
 
 
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(float(os.environ["KD_STEP_SECONDS"]))
+
+
 callbacks = [Interrupt()]
+if os.environ.get("KD_STEP_SECONDS"):
+    callbacks.append(Slow())
 if os.environ.get("KD_BACKUP"):
     callbacks.insert(
         0,
@@ -131,7 +142,8 @@ else:
         "finite-spe": {"x": shuffled.batch(8), "steps_per_epoch": 3},
         "one-shot": {"x": one_shot_generator()},
     }[kind]
-history = model.fit(epochs=4, verbose=0, callbacks=callbacks, **inputs)
+epochs = int(os.environ.get("KD_EPOCHS", "4"))
+history = model.fit(epochs=epochs, verbose=0, callbacks=callbacks, **inputs)
 os.makedirs(out_dir, exist_ok=True)
 np.savez(os.path.join(out_dir, "weights.npz"), *model.get_weights())
 with open(os.path.join(out_dir, "history.json"), "w") as f:

@@ -206,7 +206,7 @@ def _launch_with_evaluator(workdir, env=None):
     script = pathlib.Path(__file__).with_name("sidecar_script.py")
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     environ.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
-    command = [sys.executable, "-m", "keras_dist.launch", "-n", "2", "--evaluator"]
+    command = [sys.executable, "-m", "keras_dist_run", "-n", "2", "--evaluator"]
     command += ["--devices-per-process", "2", str(script), str(workdir)]
     return subprocess.run(
         command, env=environ, capture_output=True, text=True, timeout=120

@@ -88,7 +88,7 @@ def test_a_restart_with_steps_per_epoch_resumes_exactly(tmp_path, kind):
 
 def _preempt(script, workdir, env, *, after: str, timeout=300):
     """Runs the launcher and sends it SIGTERM once a line `after` is printed."""
-    command = [sys.executable, "-m", "keras_dist.launch", "-n", "2"]
+    command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "4", str(script), str(workdir)]
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     environ.update(env, TF_CPP_MIN_LOG_LEVEL="3")

@@ -23,7 +23,7 @@ def _launch(*args, env=None, timeout=120):
     environ.update(env or {})
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "keras_dist.launch", *args],
+        [sys.executable, "-m", "keras_dist_run", *args],
         env=environ,
         capture_output=True,
         text=True,
@@ -115,6 +115,14 @@ def test_launcher_cli_first_day_mistakes(tmp_path):
     version = _cli("--version")
     assert version.returncode == 0
     assert version.stdout.strip() == f"keras-dist-run (keras-dist {kd.__version__})"
+    # The old module path runs the same launcher (the tests start clusters
+    # with `-m keras_dist_run`, which imports neither Keras nor JAX).
+    old_path = subprocess.run(
+        [sys.executable, "-m", "keras_dist.launch", "--version"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert old_path.returncode == 0, old_path.stderr[-2000:]
+    assert old_path.stdout.strip() == version.stdout.strip()
     for args, message in [
         (["--port", "99999"], "argument --port: 99999 is not a TCP port: use 1-65535"),
         (["--port", "http"], "argument --port: expected a TCP port number"),

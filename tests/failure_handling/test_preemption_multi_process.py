@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120):
-    command = [sys.executable, "-m", "keras_dist.launch", "-n", "2"]
+    command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "2", str(HERE / "preemption_script.py")]
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.2")
