@@ -38,8 +38,9 @@ import numpy as np  # noqa: E402
 
 import keras_dist as kd  # noqa: E402
 
-# (width, hidden layers, batch): ~8.5 M and ~85 M parameters.
-SIZES = {"100mb": (1024, 8, 64), "1gb": (3072, 9, 32)}
+# (width, hidden layers, batch): ~8.5 M and ~85 M parameters; `tiny` for
+# the smoke test of the benchmark's schema (tests/test_checkpoint_benchmarks.py).
+SIZES = {"100mb": (1024, 8, 64), "1gb": (3072, 9, 32), "tiny": (64, 2, 16)}
 WIDTH, DEPTH, BATCH = SIZES[SIZE]
 
 

@@ -67,7 +67,9 @@ ASYNC = ("bar_async", "mc_async", "mc_sharded")
 def _parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the ~100 MB model only")
-    p.add_argument("--sizes", default=None, help="comma list of 100mb,1gb")
+    p.add_argument(
+        "--sizes", default=None, help="comma list of 100mb,1gb (tiny: a smoke run)"
+    )
     p.add_argument("--layouts", default="fsdp,mirrored")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--steps", type=int, default=40, help="timed steps per run")

@@ -9,6 +9,8 @@ process's CPU time (every thread), wall time and minor page faults.
     freeze        keras_dist's freeze of the state (a copy on the devices)
     raw_bytes     the frozen arrays' parts written to one file (the floor)
     backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax)
+    backup_no_ocdbt  the same Orbax write without OCDBT (a TensorStore
+                  directory per array: Orbax's `use_ocdbt=False`)
     weights_h5    model.save_weights(".weights.h5") (keras_dist's writer)
 
     python benchmarks/save_cost.py                  # fsdp and mirrored, ~1 min
@@ -18,6 +20,10 @@ process's CPU time (every thread), wall time and minor page faults.
 Each part's CPU time in Python's cyclic garbage collector is counted too
 (`gc.callbacks`): keras_dist pauses the collector during its Orbax writes;
 `--no-gc-pause` leaves it running (writes `save_cost_no_gc_pause.*`).
+`--fit-steps N` then trains N steps with an asynchronous `BackupAndRestore`
+saving every 2 steps and counts the collections on each thread (the
+training thread, the others) by generation: whether the pause only moves
+the full collections elsewhere.
 
 Writes `save_cost.{json,md}` to `--out` (the median of the repeats; the
 first is left out of it: it compiles and warms the caches).
@@ -37,7 +43,7 @@ import time
 from _runs import force_host_devices, machine, write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
-PARTS = ["freeze", "raw_bytes", "backup", "weights_h5"]
+PARTS = ["freeze", "raw_bytes", "backup", "backup_no_ocdbt", "weights_h5"]
 
 
 def _parser():
@@ -45,6 +51,18 @@ def _parser():
     p.add_argument("--layouts", default="fsdp,mirrored")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument(
+        "--fit-steps",
+        type=int,
+        default=0,
+        help="then train this many steps, a background backup every 2",
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=1024,
+        help="the MLP's width (1024: ~100 MB of state; smaller: a smoke run)",
+    )
     p.add_argument(
         "--no-gc-pause",
         action="store_true",
@@ -54,20 +72,33 @@ def _parser():
 
 
 class _Collections:
-    """CPU seconds in Python's cyclic garbage collector, and collections."""
+    """CPU seconds in Python's cyclic garbage collector, and collections;
+    `by_thread`: (thread, generation) -> [collections, seconds, longest]."""
 
     def __init__(self):
         import gc
+        import threading
 
-        self.seconds, self.count, self._start = 0.0, 0, 0.0
+        self.seconds, self.count = 0.0, 0
+        self.by_thread: dict = {}
+        self._starts: dict = {}
+        self._main = threading.main_thread().ident
+        self._get_ident = threading.get_ident
         gc.callbacks.append(self._record)
 
     def _record(self, phase, info):
+        thread = self._get_ident()
         if phase == "start":
-            self._start = time.thread_time()
-        else:
-            self.seconds += time.thread_time() - self._start
-            self.count += 1
+            self._starts[thread] = time.thread_time()
+            return
+        seconds = time.thread_time() - self._starts.pop(thread, time.thread_time())
+        self.seconds += seconds
+        self.count += 1
+        key = ("training" if thread == self._main else "other", info["generation"])
+        entry = self.by_thread.setdefault(key, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] = max(entry[2], seconds)
 
 
 def _usage() -> tuple[float, int]:
@@ -75,13 +106,13 @@ def _usage() -> tuple[float, int]:
     return r.ru_utime + r.ru_stime, r.ru_minflt
 
 
-def _model(layout: str):
+def _model(layout: str, width: int = 1024):
     import keras
     import numpy as np
 
     import keras_dist as kd
 
-    width, depth, batch = 1024, 8, 64  # checkpointing.py's 100mb: 96 MB.
+    depth, batch = 8, 64  # Width 1024: checkpointing.py's 100mb, 96 MB.
     strategy = kd.MirroredStrategy(shard_variables=layout == "fsdp")
     keras.utils.set_random_seed(0)
     with strategy.scope():
@@ -122,6 +153,30 @@ def _parts(model, directory: str) -> dict:
     def backup():
         store.save(model, next(count), {})
 
+    import orbax.checkpoint as ocp
+
+    no_ocdbt = ocp.CheckpointManager(
+        os.path.join(directory, "no_ocdbt"),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=False, create=True
+        ),
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(
+                use_compression=False, use_ocdbt=False
+            ),
+        },
+    )
+
+    def backup_no_ocdbt():
+        from keras_dist.callbacks import _backup_store
+
+        values = [v.value for v in state]
+        with _backup_store.collection_paused():  # As `backup`'s.
+            no_ocdbt.save(
+                next(count),
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(values)),
+            )
+
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
 
@@ -129,8 +184,45 @@ def _parts(model, directory: str) -> dict:
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
         "backup": backup,
+        "backup_no_ocdbt": backup_no_ocdbt,
         "weights_h5": weights_h5,
     }
+
+
+def _fit_collections(model, layout, steps, collections, width) -> list:
+    """Trains `steps` steps, an async backup every 2; collections by thread."""
+    import numpy as np
+
+    import keras_dist as kd
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64 * steps, width), dtype=np.float32)
+    y = rng.integers(0, 10, 64 * steps)
+    collections.by_thread.clear()
+    directory = tempfile.mkdtemp(prefix="kd-save-cost-fit-")
+    try:
+        backup = kd.callbacks.BackupAndRestore(directory, save_freq=2)
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=64, verbose=0, callbacks=[backup])
+        seconds = time.perf_counter() - start
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    return [
+        {
+            "layout": layout,
+            "steps": steps,
+            "saves": steps // 2,
+            "fit_s": seconds,
+            "thread": thread,
+            "generation": generation,
+            "collections": count,
+            "gc_ms": 1000 * total,
+            "longest_ms": 1000 * longest,
+        }
+        for (thread, generation), (count, total, longest) in sorted(
+            collections.by_thread.items()
+        )
+    ]
 
 
 def main():
@@ -146,9 +238,9 @@ def main():
 
         _backup_store.collection_paused = contextlib.nullcontext
     collections = _Collections()
-    rows = []
+    rows, fit_rows = [], []
     for layout in args.layouts.split(","):
-        model = _model(layout)
+        model = _model(layout, args.width)
         state_mb = (
             sum(v.value.nbytes for v in model.variables + model.optimizer.variables)
             / 2**20
@@ -195,6 +287,10 @@ def main():
                 )
         finally:
             shutil.rmtree(directory, ignore_errors=True)
+        if args.fit_steps:
+            fit_rows += _fit_collections(
+                model, layout, args.fit_steps, collections, args.width
+            )
     import datetime
 
     payload = {
@@ -205,6 +301,7 @@ def main():
         "gc_pause": not args.no_gc_pause,
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "rows": rows,
+        "fit_collections": fit_rows,
     }
     stem = "save_cost_no_gc_pause" if args.no_gc_pause else "save_cost"
     write_results(args.out, stem, payload, markdown, lambda *_: False)
@@ -234,6 +331,24 @@ def markdown(payload: dict) -> str:
             f"{r['faults']:.0f} | {r['gc_ms']:.1f} | {r['collections']:.1f} | "
             f"{r['first_cpu_ms']:.0f} |"
         )
+    fit_rows = payload.get("fit_collections") or []
+    if fit_rows:
+        first = fit_rows[0]
+        out += [
+            "",
+            f"Then `fit`: {first['steps']} steps, an asynchronous "
+            f"`BackupAndRestore` every 2 ({first['saves']} saves); Python's "
+            "garbage collections by thread (the training thread; the others: "
+            "keras_dist's writer, Orbax's) and generation (2: full).",
+            "",
+            "| layout | thread | generation | collections | CPU ms | longest ms |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in fit_rows:
+            out.append(
+                f"| {r['layout']} | {r['thread']} | {r['generation']} | "
+                f"{r['collections']} | {r['gc_ms']:.1f} | {r['longest_ms']:.1f} |"
+            )
     return "\n".join(out) + "\n"
 
 
