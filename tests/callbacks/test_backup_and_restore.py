@@ -316,9 +316,12 @@ def test_twenty_random_kills_during_async_saves_then_the_run_ends_bit_identical(
         assert process.returncode == -9, "the run ended before the kill"
         steps.append(_committed(backup))
         latest = kd.callbacks.latest_checkpoint(ckpts)
-        assert latest is not None  # Never a temporary file of an interrupted write.
+        if latest is None:  # Only if the first file was still being written.
+            assert len(steps) == 1, steps
+            continue
+        # Never a temporary file of an interrupted write; complete: it loads.
         assert not os.path.basename(latest).startswith(".tmp-")
-        _helpers.resume_model().load_weights(latest)  # Complete: it loads.
+        _helpers.resume_model().load_weights(latest)
     assert steps == sorted(steps) and steps[-1] < 84, steps  # Killed before the end.
     resumed = _run(out, KD_BACKUP=backup, KD_ASYNC=1, **epochs)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
