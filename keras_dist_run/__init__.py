@@ -199,6 +199,11 @@ def _environment(rank: int | None, n: int, port: int, devices: int | None) -> di
     for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", *_LAUNCHER_VARS):
         env.pop(name, None)  # The launcher's cluster wins.
     env["PYTHONUNBUFFERED"] = "1"
+    # The processes run keras_dist, so Keras on JAX, even if the script
+    # imports Keras before keras_dist (as `python -m keras_dist.launch` gave
+    # them: importing keras_dist set it); a backend the user set is kept
+    # (keras_dist then says it needs JAX).
+    env.setdefault("KERAS_BACKEND", "jax")
     if rank is None:
         # Only worker 0's address is real (the coordinator); the others just
         # have to be distinct: the evaluator connects to none of them.

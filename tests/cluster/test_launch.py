@@ -91,6 +91,26 @@ def test_unreachable_coordinator_fails_within_the_timeout():
     assert elapsed < 60
 
 
+def test_the_processes_run_keras_on_jax_unless_the_environment_says_otherwise(
+    tmp_path,
+):
+    # A script may import Keras before keras_dist (examples/ do): without a
+    # backend in the environment Keras would pick ~/.keras/keras.json's or
+    # TensorFlow. The launcher itself imports neither.
+    script = tmp_path / "backend.py"
+    script.write_text("import os\nprint('backend', os.environ['KERAS_BACKEND'])\n")
+    environ = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    command = [sys.executable, "-m", "keras_dist_run", "-n", "2", str(script)]
+    for backend, expected in [(None, "jax"), ("tensorflow", "tensorflow")]:
+        env = environ if backend is None else {**environ, "KERAS_BACKEND": backend}
+        result = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr[-2000:]
+        for rank in (0, 1):
+            assert f"[{rank}] backend {expected}" in result.stdout
+
+
 def test_launcher_bad_arguments(tmp_path):
     result, _ = _launch("-n", "0", str(SCRIPT))
     assert result.returncode == 2
