@@ -20,7 +20,7 @@ import keras_dist as kd
 from tests import _helpers
 
 SCRIPT = pathlib.Path(__file__).with_name("resume_script.py")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def _run(out_dir, **env):

@@ -214,6 +214,7 @@ def _launch_with_evaluator(workdir, env=None):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_keras_dist_run_evaluator_beside_two_workers(tmp_path):
     result = _launch_with_evaluator(tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -230,6 +231,7 @@ def test_keras_dist_run_evaluator_beside_two_workers(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_failing_evaluator_does_not_stop_training(tmp_path):
     result = _launch_with_evaluator(tmp_path, {"KD_EVALUATOR_FAILS": "1"})
     assert result.returncode == 1, result.stderr[-3000:]

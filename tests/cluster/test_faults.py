@@ -16,7 +16,7 @@ from tests._helpers import assert_weights_close
 from tests.cluster import _workload
 from tests.cluster.test_multi_worker import HERE, launch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):

@@ -47,6 +47,7 @@ def test_bad_timeout(timeout, kind, message):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_process_0_names_the_peer_that_never_starts():
     start = time.monotonic()
     code, _, err = _finish(_start(free_port(), 2, 0, "10"))
@@ -57,6 +58,7 @@ def test_process_0_names_the_peer_that_never_starts():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_processes_that_disagree_on_the_count_are_refused():
     port = free_port()
     coordinator, peer = _start(port, 2, 0, "20"), _start(port, 3, 1, "20")
@@ -68,6 +70,7 @@ def test_processes_that_disagree_on_the_count_are_refused():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_two_process_cluster_joins():
     port = free_port()
     processes = [_start(port, 2, rank, "60") for rank in (1, 0)]

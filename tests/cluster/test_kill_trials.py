@@ -26,7 +26,7 @@ import keras_dist as kd
 from tests._helpers import make_model
 from tests.cluster.test_multi_worker import HERE, launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.kill_trials]
+pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.kill_trials]
 
 SCRIPT = HERE / "kill_script.py"
 TRIALS = 20

@@ -14,7 +14,7 @@ import keras_dist as kd
 from keras_dist.launch import free_port
 
 SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def _launch(*args, env=None, timeout=120):

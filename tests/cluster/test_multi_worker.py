@@ -22,7 +22,7 @@ from tests._helpers import (
 from tests.cluster import _workload
 
 HERE = pathlib.Path(__file__).parent
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def launch(script, *args, n=2, devices=4, timeout=400, env=None):

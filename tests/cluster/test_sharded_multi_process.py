@@ -33,7 +33,7 @@ from tests.cluster.test_multi_worker import launch
 HERE = pathlib.Path(__file__).parent
 NAMES = ("fsdp", "parameter_server", "zero1")
 FIT_NAMES = (*NAMES, "model_parallel")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 @pytest.fixture(scope="module")

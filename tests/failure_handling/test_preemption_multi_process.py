@@ -14,7 +14,7 @@ from tests._helpers import assert_weights_close, mirrored
 from tests.cluster.test_multi_worker import HERE, launch
 from tests.failure_handling import _loop
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120):
