@@ -8,9 +8,12 @@ process's CPU time (every thread), wall time and minor page faults.
 
     freeze        keras_dist's freeze of the state (a copy on the devices)
     raw_bytes     the frozen arrays' parts written to one file (the floor)
-    backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax)
-    backup_no_ocdbt  the same Orbax write without OCDBT (a TensorStore
-                  directory per array: Orbax's `use_ocdbt=False`)
+    backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax,
+                  keras_dist's array handler: no sharding file, no
+                  replica-parallel slicing with one process)
+    backup_orbax_defaults  that write with Orbax's default array handler
+    backup_no_ocdbt  ... and without OCDBT (a TensorStore directory per
+                  array: Orbax's `use_ocdbt=False`)
     weights_h5    model.save_weights(".weights.h5") (keras_dist's writer)
 
     python benchmarks/save_cost.py                  # fsdp and mirrored, ~1 min
@@ -43,7 +46,14 @@ import time
 from _runs import force_host_devices, machine, write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
-PARTS = ["freeze", "raw_bytes", "backup", "backup_no_ocdbt", "weights_h5"]
+PARTS = [
+    "freeze",
+    "raw_bytes",
+    "backup",
+    "backup_orbax_defaults",
+    "backup_no_ocdbt",
+    "weights_h5",
+]
 
 
 def _parser():
@@ -155,27 +165,31 @@ def _parts(model, directory: str) -> dict:
 
     import orbax.checkpoint as ocp
 
-    no_ocdbt = ocp.CheckpointManager(
-        os.path.join(directory, "no_ocdbt"),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=2, enable_async_checkpointing=False, create=True
-        ),
-        item_handlers={
-            "state": ocp.PyTreeCheckpointHandler(
-                use_compression=False, use_ocdbt=False
+    def orbax_write(name: str, **handler_options):
+        """The backup's Orbax write with Orbax's own type handlers."""
+        manager = ocp.CheckpointManager(
+            os.path.join(directory, name),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=2, enable_async_checkpointing=False, create=True
             ),
-        },
-    )
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(
+                    use_compression=False, **handler_options
+                ),
+            },
+        )
 
-    def backup_no_ocdbt():
-        from keras_dist.callbacks import _backup_store
+        def write():
+            from keras_dist.callbacks import _backup_store
 
-        values = [v.value for v in state]
-        with _backup_store.collection_paused():  # As `backup`'s.
-            no_ocdbt.save(
-                next(count),
-                args=ocp.args.Composite(state=ocp.args.PyTreeSave(values)),
-            )
+            values = [v.value for v in state]
+            with _backup_store.collection_paused():  # As `backup`'s.
+                manager.save(
+                    next(count),
+                    args=ocp.args.Composite(state=ocp.args.PyTreeSave(values)),
+                )
+
+        return write
 
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
@@ -184,7 +198,8 @@ def _parts(model, directory: str) -> dict:
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
         "backup": backup,
-        "backup_no_ocdbt": backup_no_ocdbt,
+        "backup_orbax_defaults": orbax_write("defaults"),
+        "backup_no_ocdbt": orbax_write("no_ocdbt", use_ocdbt=False),
         "weights_h5": weights_h5,
     }
 

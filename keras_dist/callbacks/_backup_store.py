@@ -10,6 +10,7 @@ from keras_dist._keras_compat._freeze import freeze
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import (
     background_barriers,
+    backup_type_handlers,
     collection_paused,
     without_preemption_queries,
 )
@@ -82,7 +83,12 @@ class BackupStore:
                 # Uncompressed: zstd saves ~9% of a float state's bytes and
                 # more than doubles a write's CPU time (the host's, shared
                 # with training; benchmarks/README.md).
-                "state": ocp.PyTreeCheckpointHandler(use_compression=False),
+                # Without each array's sharding file; replica-parallel
+                # writing only with several processes (`_orbax.py`).
+                "state": ocp.PyTreeCheckpointHandler(
+                    use_compression=False,
+                    type_handler_registry=backup_type_handlers(),
+                ),
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
