@@ -23,7 +23,10 @@ training thread when several processes train together:
   Keras and JAX: 325-422 ms (a 96 MB backup's write: ~290-390 ms of CPU)
   holding the GIL the training thread needs to dispatch its next step
   (`benchmarks/save_cost.py --no-gc-pause`). The objects a save frees are
-  freed by their reference counts anyway.
+  freed by their reference counts anyway, and the full collections do not
+  move elsewhere: over 90 backups during `fit` none ran on any thread with
+  the pause; without it 4 ran on the writer thread and 4 on the training
+  thread (272-300 ms each; `save_cost.py --fit-steps 180`).
 - **Arrays written plainly** (`backup_type_handlers`). Orbax's default
   array handler also writes each array's sharding (a JSON file, read only
   when a restore names no target sharding: keras_dist's restores always
@@ -31,8 +34,9 @@ training thread when several processes train together:
   into a slice per replica on the devices (replica-parallel writing, which
   spreads a replicated array's writing over processes; with one process
   it adds a device slice per replica to every save). Without either, a
-  ~100 MB backup's write takes 20-50% less CPU, a tiny one's 20-45%
-  (`benchmarks/save_cost.py`, `backup` against `backup_orbax_defaults`).
+  ~100 MB Mirrored backup's write takes 109-116 ms of CPU against 251 ms
+  (FSDP's, whose arrays are not replicated: about the same;
+  `benchmarks/save_cost.py`, `backup` against `backup_orbax_defaults`).
 - **No preemption queries.** Orbax's `CheckpointManager.save` asks JAX's
   preemption service `reached_preemption_sync_point(step)`. That service
   keeps the last step number it was asked about and, on a preemption,
