@@ -20,7 +20,7 @@ training thread when several processes train together:
   An Orbax save allocates enough short-lived Python objects to start
   Python's collector 17-20 times, and every 8-12 saves one of those is a
   full collection walking the ~500 000 objects of a process that imported
-  Keras and JAX: 325-422 ms (a 96 MB backup's write: ~290-390 ms of CPU)
+  Keras and JAX: 325-422 ms (a 96 MB backup's write: 110-390 ms of CPU)
   holding the GIL the training thread needs to dispatch its next step
   (`benchmarks/save_cost.py --no-gc-pause`). The objects a save frees are
   freed by their reference counts anyway, and the full collections do not
