@@ -7,7 +7,7 @@ import pytest
 
 from tests.test_docs import _run
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.benchmarks]
 
 
 def test_checkpointing_benchmark_measures_each_configuration(tmp_path):

@@ -57,6 +57,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     """Smoke test of every configuration (2 steps, 1 run each): the schema."""
     args = ["--quick", "--steps", "2", "--epochs", "1", "--repeats", "1"]

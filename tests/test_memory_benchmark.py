@@ -14,6 +14,7 @@ CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_memory_benchmark_quick_mode(tmp_path):
     args = ["--quick", "--model", "tiny", "--steps", "2", "--repeats", "1"]
     out = _run(["benchmarks/memory.py", *args, "--jobs", "2", "--out", str(tmp_path)])
@@ -44,6 +45,7 @@ def test_memory_benchmark_quick_mode(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_model_parallel_benchmark_quick_mode(tmp_path):
     configs = "one_device,mirrored_8x1,auto_2x4,hub_2x4"
     args = ["--quick", "--configs", configs, "--steps", "1", "--repeats", "1"]
