@@ -13,6 +13,8 @@ inputs).
 A backup written by another model is refused with the shapes that differ.
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -89,3 +91,46 @@ def test_a_backup_of_another_model_is_refused(tmp_path):
         r"backup's '[\w/]*dense[\w]*/kernel' has shape \(6, 16\)\. Resume with",
     ):
         _fit("numpy", [kd.callbacks.BackupAndRestore(backup)], width=32)
+
+
+@pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
+def test_a_backup_in_orbaxs_default_array_format_still_restores(
+    tmp_path, monkeypatch, shard_variables
+):
+    # Backups written before keras_dist's own array handler (Orbax's
+    # default: a sharding file per array, replica-parallel slices) restore
+    # exactly with it.
+    from orbax.checkpoint._src.serialization import type_handler_registry
+
+    from keras_dist.callbacks import _backup_store
+
+    def build():
+        strategy = kd.MirroredStrategy(shard_variables=shard_variables)
+        with strategy.scope():
+            model = resume_model(16)
+        model.optimizer.build(model.trainable_variables)
+        return model
+
+    written = build()
+    x, y = _data()
+    written.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    monkeypatch.setattr(
+        _backup_store,
+        "backup_type_handlers",
+        lambda: type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY,
+    )
+    old = _backup_store.BackupStore(str(tmp_path), async_save=False)
+    old.save(written, 7, {"epoch": 1})
+    old.close()
+    files = [name for _, _, names in os.walk(tmp_path / "7") for name in names]
+    assert any("sharding" in name for name in files)  # Orbax's default format.
+    monkeypatch.undo()
+    restored = build()
+    store = _backup_store.BackupStore(str(tmp_path), async_save=False)
+    assert store.restore(restored)["epoch"] == 1
+    store.close()
+    state = [*written.variables, *written.optimizer.variables]
+    got = [*restored.variables, *restored.optimizer.variables]
+    assert int(np.asarray(written.optimizer.iterations.value)) > 0
+    for a, b in zip(state, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(b.value), np.asarray(a.value))
