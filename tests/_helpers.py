@@ -1,5 +1,7 @@
 """Shared data, models and runners for the tests."""
 
+import os
+
 import keras
 import numpy as np
 
@@ -7,6 +9,14 @@ import keras_dist as kd
 
 FEATURES = 6
 CLASSES = 3
+
+
+def committed_backup_step(backup) -> int:
+    """The newest committed backup step in `backup` (a pathlib.Path; Orbax's
+    step directories), or -1."""
+    if not backup.exists():
+        return -1
+    return max((int(n) for n in os.listdir(backup) if n.isdigit()), default=-1)
 
 
 def make_data(n: int, seed: int = 0):

@@ -23,20 +23,13 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests._helpers import make_model
+from tests._helpers import committed_backup_step, make_model
 from tests.cluster.test_multi_worker import HERE, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.kill_trials]
 
 SCRIPT = HERE / "kill_script.py"
 TRIALS = 20
-
-
-def _committed(backup) -> int:
-    """The newest committed backup step (Orbax's step directories), or -1."""
-    if not backup.exists():
-        return -1
-    return max((int(n) for n in os.listdir(backup) if n.isdigit()), default=-1)
 
 
 def _start(workdir):
@@ -64,13 +57,13 @@ def _stop(launcher, workdir) -> None:
 def _kill_one_trial(workdir, draw: random.Random) -> int:
     """Launches, waits for a newer committed backup, SIGKILLs a random rank."""
     backup = workdir / "backup"
-    before = _committed(backup)
+    before = committed_backup_step(backup)
     for rank in (0, 1):
         (workdir / f"pid_{rank}").unlink(missing_ok=True)
     launcher, killed = _start(workdir), False
     try:
         deadline = time.monotonic() + 180
-        while _committed(backup) <= before or not all(
+        while committed_backup_step(backup) <= before or not all(
             (workdir / f"pid_{r}").exists() for r in (0, 1)
         ):
             assert launcher.poll() is None, launcher.communicate()[1][-3000:]
@@ -94,7 +87,7 @@ def _kill_one_trial(workdir, draw: random.Random) -> int:
     # The launcher exits with the status of the process it sees end first:
     # the killed one (137), or its peer, failing in a collective (1).
     assert launcher.returncode in (1, 128 + signal.SIGKILL), stderr[-3000:]
-    return _committed(backup)
+    return committed_backup_step(backup)
 
 
 # ~22 launches of 2 processes: 490 s on 2 busy cores before the peer was
