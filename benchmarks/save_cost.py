@@ -8,9 +8,13 @@ process's CPU time (every thread), wall time and minor page faults.
 
     freeze        keras_dist's freeze of the state (a copy on the devices)
     raw_bytes     the frozen arrays' parts written to one file (the floor)
-    backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax,
-                  keras_dist's array handler: no sharding file, no
-                  replica-parallel slicing with one process)
+    backup        kd.callbacks.BackupAndRestore's synchronous write (one
+                  process: Orbax's CheckpointManager around keras_dist's
+                  raw-parts handler, `callbacks/_raw_arrays.py`)
+    backup_orbax  the same backup in Orbax's PyTree format, as several
+                  processes write it (keras_dist's array handler: no
+                  sharding file, no replica-parallel slicing with one
+                  process); one process wrote it so before raw parts
     backup_orbax_defaults  that write with Orbax's default array handler
     backup_no_ocdbt  ... and without OCDBT (a TensorStore directory per
                   array: Orbax's `use_ocdbt=False`)
@@ -50,6 +54,7 @@ PARTS = [
     "freeze",
     "raw_bytes",
     "backup",
+    "backup_orbax",
     "backup_orbax_defaults",
     "backup_no_ocdbt",
     "weights_h5",
@@ -145,6 +150,7 @@ def _parts(model, directory: str) -> dict:
 
     from keras_dist._keras_compat._freeze import freeze
     from keras_dist.callbacks._backup_store import BackupStore
+    from keras_dist.callbacks._orbax import backup_type_handlers
 
     state = list(model.variables) + list(model.optimizer.variables)
     store = BackupStore(os.path.join(directory, "backup"), async_save=False)
@@ -166,7 +172,7 @@ def _parts(model, directory: str) -> dict:
     import orbax.checkpoint as ocp
 
     def orbax_write(name: str, **handler_options):
-        """The backup's Orbax write with Orbax's own type handlers."""
+        """The backup's arrays in Orbax's PyTree format."""
         manager = ocp.CheckpointManager(
             os.path.join(directory, name),
             options=ocp.CheckpointManagerOptions(
@@ -198,6 +204,9 @@ def _parts(model, directory: str) -> dict:
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
         "backup": backup,
+        "backup_orbax": orbax_write(
+            "orbax", type_handler_registry=backup_type_handlers()
+        ),
         "backup_orbax_defaults": orbax_write("defaults"),
         "backup_no_ocdbt": orbax_write("no_ocdbt", use_ocdbt=False),
         "weights_h5": weights_h5,

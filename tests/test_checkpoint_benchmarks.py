@@ -43,8 +43,8 @@ def test_save_cost_benchmark_times_each_part_and_counts_collections(tmp_path):
     assert payload["gc_pause"] is True and payload["repeats"] == 2
     parts = [row["part"] for row in payload["rows"]]
     assert parts == [
-        *("freeze", "raw_bytes", "backup", "backup_orbax_defaults"),
-        *("backup_no_ocdbt", "weights_h5"),
+        *("freeze", "raw_bytes", "backup", "backup_orbax"),
+        *("backup_orbax_defaults", "backup_no_ocdbt", "weights_h5"),
     ]
     for row in payload["rows"]:
         assert row["cpu_ms"] > 0 and row["wall_ms"] > 0, row

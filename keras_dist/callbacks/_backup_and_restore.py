@@ -40,15 +40,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     On SIGTERM (preemption) it saves at the next step boundary and exits the
     process with status 0.
 
-    Backups are Orbax checkpoints (atomic: written aside, then committed by a
-    rename; the previous one is kept). A backup that cannot be read is
-    reported and the previous one used. Restoring onto another number of
-    replicas reshards the state onto the current strategy.
+    Backups are Orbax checkpoint steps (atomic: written aside, then
+    committed by a rename; the previous one is kept). With one process the
+    arrays are their parts' raw bytes and an index (a fraction of the CPU of
+    Orbax's array format); with several, Orbax's PyTree format, each process
+    writing its own parts. A backup that cannot be read is reported and the
+    previous one used. Restoring onto another number of replicas or
+    processes reshards the state onto the current strategy.
 
     Saves are asynchronous by default, with one process or several:
     training waits only while the state is frozen (copied on its devices),
-    and Orbax writes the files on keras_dist's writer thread, each process
-    its own parts. One save is in flight at a time (a newer one waits for
+    and keras_dist's writer thread writes the files. One save is in flight at a time (a newer one waits for
     the older). A background write that fails raises
     `kd.errors.CheckpointWriteError` (the path and the cause) on the training
     thread at the next step, save or the end of `fit`; the previous backup

@@ -19,6 +19,9 @@ from keras_dist.errors import IncompatibleBackupError
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
 GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
+# A one-process backup's arrays (`_raw_arrays.py`, which imports Orbax: it
+# is imported when a store opens).
+ITEM = "arrays"
 
 
 def variable_groups(model) -> dict[str, list]:
@@ -38,8 +41,12 @@ class BackupStore:
 
     A backup holds every variable of the model, its optimizer and metrics
     (uncompressed), plus a JSON `meta` dict (with each variable's path and
-    shape, to refuse a backup of another model). Each process writes the
-    parts of split variables it holds (Orbax); nothing is gathered whole.
+    shape, to refuse a backup of another model). With one process the arrays
+    are their parts' raw bytes (`_raw_arrays.py`: the write costs about the
+    bytes' copy); with several, each process writes the parts of split
+    variables it holds (Orbax's PyTree format). Nothing is gathered whole,
+    and either kind restores onto any layout and number of processes
+    (backups of keras_dist 0.1 before the raw format, Orbax's, too).
 
     With `async_save`, `save` freezes the state (copies on its devices, one
     dispatch that does not wait for the step computing it; on host when the
@@ -54,6 +61,8 @@ class BackupStore:
 
     def __init__(self, directory: str, *, async_save: bool):
         import orbax.checkpoint as ocp
+
+        from keras_dist.callbacks._raw_arrays import RawArraysHandler
 
         self.directory = directory
         self.async_save = async_save
@@ -89,6 +98,8 @@ class BackupStore:
                     use_compression=False,
                     type_handler_registry=backup_type_handlers(),
                 ),
+                # One process: the parts' raw bytes (a fraction of the CPU).
+                ITEM: RawArraysHandler(),
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
@@ -122,12 +133,15 @@ class BackupStore:
 
         if number in self._manager.all_steps():
             self._manager.delete(number)
+        if jax.process_count() == 1:
+            from keras_dist.callbacks._raw_arrays import RawArraysSave
+
+            items = {ITEM: RawArraysSave(state)}
+        else:
+            items = {"state": ocp.args.PyTreeSave(state)}
         with collection_paused():
             self._manager.save(  # Synchronous: written and committed on return.
-                number,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
-                ),
+                number, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta))
             )
 
     def latest(self) -> int | None:
@@ -189,17 +203,7 @@ class BackupStore:
                     number, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
                 )["meta"]
                 self._check_compatible(meta, groups)
-                state = self._manager.restore(
-                    number,
-                    args=ocp.args.Composite(
-                        state=ocp.args.PyTreeRestore(
-                            abstract,
-                            restore_args=ocp.checkpoint_utils.construct_restore_args(
-                                abstract
-                            ),
-                        )
-                    ),
-                )["state"]
+                state = self._restore_arrays(number, abstract)
             except IncompatibleBackupError:
                 raise
             except Exception as error:  # A torn or corrupt backup: try an older one.
@@ -219,6 +223,19 @@ class BackupStore:
             f"BackupAndRestore: none of the backups {steps} in {self.directory} "
             "can be read. Delete the directory to start from scratch."
         )
+
+    def _restore_arrays(self, number: int, abstract: dict) -> dict:
+        import orbax.checkpoint as ocp
+
+        if os.path.isdir(os.path.join(self.directory, str(number), ITEM)):
+            from keras_dist.callbacks._raw_arrays import RawArraysRestore
+
+            items = {ITEM: RawArraysRestore(abstract)}
+        else:  # Several processes wrote it, or a keras_dist before raw arrays.
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+            items = {"state": ocp.args.PyTreeRestore(abstract, restore_args)}
+        restored = self._manager.restore(number, args=ocp.args.Composite(**items))
+        return restored[next(iter(items))]
 
     def _check_compatible(self, meta: dict, groups: dict) -> None:
         for name in GROUPS:

@@ -93,44 +93,157 @@ def test_a_backup_of_another_model_is_refused(tmp_path):
         _fit("numpy", [kd.callbacks.BackupAndRestore(backup)], width=32)
 
 
+def _built(shard_variables=False, devices=8):
+    strategy = kd.MirroredStrategy(
+        [f"cpu:{i}" for i in range(devices)], shard_variables=shard_variables
+    )
+    with strategy.scope():
+        model = resume_model(16)
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _trained(shard_variables=False):
+    model = _built(shard_variables)
+    x, y = _data()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert int(np.asarray(model.optimizer.iterations.value)) > 0
+    return model
+
+
+def _assert_same_state(expected, got):
+    state = [*expected.variables, *expected.optimizer.variables]
+    restored = [*got.variables, *got.optimizer.variables]
+    for a, b in zip(state, restored, strict=True):
+        np.testing.assert_array_equal(np.asarray(b.value), np.asarray(a.value))
+
+
+def _write_orbax_pytree_backup(directory, model, number, meta, handlers):
+    """A backup as keras_dist wrote it before raw arrays (and as several
+    processes still write it): Orbax's PyTree item `state` beside `meta`."""
+    import orbax.checkpoint as ocp
+
+    from keras_dist.callbacks._backup_store import variable_groups
+
+    groups = variable_groups(model)
+    manager = ocp.CheckpointManager(
+        str(directory),
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=2, enable_async_checkpointing=False, create=True
+        ),
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(
+                use_compression=False, type_handler_registry=handlers
+            ),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
+    meta = {
+        **meta,
+        "variables": {
+            name: [[v.path, list(v.shape)] for v in vs] for name, vs in groups.items()
+        },
+    }
+    state = {name: [v.value for v in vs] for name, vs in groups.items()}
+    manager.save(
+        number,
+        args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)
+        ),
+    )
+    manager.close()
+
+
 @pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
-def test_a_backup_in_orbaxs_default_array_format_still_restores(
-    tmp_path, monkeypatch, shard_variables
+@pytest.mark.parametrize("handlers", ["orbax_default", "keras_dist_0_1"])
+def test_a_backup_in_orbaxs_pytree_format_still_restores(
+    tmp_path, shard_variables, handlers
 ):
-    # Backups written before keras_dist's own array handler (Orbax's
-    # default: a sharding file per array, replica-parallel slices) restore
-    # exactly with it.
+    # Backups in Orbax's PyTree format (keras_dist before raw arrays; several
+    # processes' backups): Orbax's default array handler (a sharding file per
+    # array, replica-parallel slices) and keras_dist's (neither) restore
+    # exactly.
     from orbax.checkpoint._src.serialization import type_handler_registry
 
     from keras_dist.callbacks import _backup_store
+    from keras_dist.callbacks._orbax import backup_type_handlers
 
-    def build():
-        strategy = kd.MirroredStrategy(shard_variables=shard_variables)
-        with strategy.scope():
-            model = resume_model(16)
-        model.optimizer.build(model.trainable_variables)
-        return model
-
-    written = build()
-    x, y = _data()
-    written.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    monkeypatch.setattr(
-        _backup_store,
-        "backup_type_handlers",
-        lambda: type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY,
+    registry = (
+        type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY
+        if handlers == "orbax_default"
+        else backup_type_handlers()
     )
-    old = _backup_store.BackupStore(str(tmp_path), async_save=False)
-    old.save(written, 7, {"epoch": 1})
-    old.close()
+    written = _trained(shard_variables)
+    _write_orbax_pytree_backup(tmp_path, written, 7, {"epoch": 1}, registry)
     files = [name for _, _, names in os.walk(tmp_path / "7") for name in names]
-    assert any("sharding" in name for name in files)  # Orbax's default format.
-    monkeypatch.undo()
-    restored = build()
+    assert any("sharding" in name for name in files) == (handlers == "orbax_default")
+    assert not (tmp_path / "7" / _backup_store.ITEM).exists()
+    restored = _built(shard_variables)
     store = _backup_store.BackupStore(str(tmp_path), async_save=False)
     assert store.restore(restored)["epoch"] == 1
     store.close()
-    state = [*written.variables, *written.optimizer.variables]
-    got = [*restored.variables, *restored.optimizer.variables]
-    assert int(np.asarray(written.optimizer.iterations.value)) > 0
-    for a, b in zip(state, got, strict=True):
-        np.testing.assert_array_equal(np.asarray(b.value), np.asarray(a.value))
+    _assert_same_state(written, restored)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
+def test_one_process_backups_are_raw_parts_that_restore_onto_any_layout(
+    tmp_path, shard_variables, async_save
+):
+    """One process writes each array's distinct parts' bytes and an index:
+    FSDP's 8 parts of a kernel, a replicated array once; they restore onto
+    8 devices split or replicated, 4 devices, 1 device, bit-exact."""
+    import json
+
+    from keras_dist.callbacks._backup_store import ITEM, BackupStore
+
+    written = _trained(shard_variables)
+    store = BackupStore(str(tmp_path), async_save=async_save)
+    store.save(written, 3, {"epoch": 1})
+    store.close()
+    item = tmp_path / "3" / ITEM
+    index = json.loads((item / "index.json").read_text())
+    state = [*written.trainable_variables, *written.non_trainable_variables]
+    state += [*written.optimizer.variables, *written.metrics_variables]
+    entries = [e for group in index["groups"].values() for e in group]
+    assert len(entries) == len(state)
+    nbytes = 0
+    for v, entry in zip(state, entries, strict=True):
+        assert entry["shape"] == list(v.shape)
+        assert entry["dtype"] == np.dtype(v.value.dtype).name
+        split = shard_variables and any(d % 8 == 0 for d in v.shape)
+        assert len(entry["parts"]) == (8 if split else 1), v.path
+        nbytes += sum(length for _, _, length in entry["parts"])
+    assert nbytes == sum(np.asarray(v.value).nbytes for v in state)
+    assert (item / "arrays.bin").stat().st_size == nbytes  # Each byte once.
+    for target, devices in [(False, 8), (True, 8), (True, 4), (False, 1)]:
+        restored = _built(target, devices)
+        store = BackupStore(str(tmp_path), async_save=False)
+        assert store.restore(restored)["epoch"] == 1
+        store.close()
+        _assert_same_state(written, restored)
+        kernel = restored.trainable_variables[0].value
+        assert len(kernel.sharding.device_set) == devices
+
+
+def test_a_truncated_raw_backup_is_skipped_for_the_previous_one(tmp_path):
+    from keras_dist.callbacks._backup_store import ITEM, BackupStore
+
+    first = _trained()
+    store = BackupStore(str(tmp_path), async_save=False)
+    store.save(first, 1, {"epoch": 1})
+    x, y = _data()
+    first.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    store.save(first, 2, {"epoch": 2})
+    store.close()
+    data = tmp_path / "2" / ITEM / "arrays.bin"
+    data.write_bytes(data.read_bytes()[:100])  # Torn after its commit.
+    restored = _built()
+    store = BackupStore(str(tmp_path), async_save=False)
+    with pytest.warns(UserWarning, match="the backup of step 2 .* cannot be read"):
+        assert store.restore(restored)["epoch"] == 1
+    store.close()
+    assert not np.array_equal(
+        np.asarray(restored.trainable_variables[0].value),
+        np.asarray(first.trainable_variables[0].value),
+    )

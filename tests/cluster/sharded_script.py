@@ -100,6 +100,30 @@ def parts(strategy) -> dict:
     }
 
 
+def from_one_process(strategy) -> dict:
+    """The test's 1-process FSDP backup (raw parts), restored here."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from keras_dist.callbacks._backup_store import BackupStore
+
+    model = build_in_scope(strategy, initial_weights(batch_norm=True), batch_norm=True)
+    model.optimizer.build(model.trainable_variables)
+    store = BackupStore(os.path.join(workdir, "one_process_backup"), async_save=False)
+    meta = store.restore(model)
+    store.close()
+    state = [*model.variables, *model.optimizer.variables]
+    kernel = model.trainable_variables[0].value
+    return {
+        "epoch": meta["epoch"],
+        "state": [
+            np.asarray(multihost_utils.process_allgather(v.value, tiled=True)).tolist()
+            for v in state
+        ],
+        "parts_held": len(kernel.addressable_shards),
+    }
+
+
 results = {"rank": rank}
 for name, strategy in built.items():
     checkpoints = os.path.join(workdir, name)
@@ -114,6 +138,7 @@ for name, strategy in built.items():
 # FSDP splits every weight over both processes: the transformer runs there;
 # ZeRO-1 and ParameterServer run it on 8 devices of one process
 # (tests/strategies/test_sharded_models.py), the MLP workload here.
+results["fsdp"]["from_one_process"] = from_one_process(built["fsdp"])
 results["fsdp"]["gpt2"] = gpt2_run(built["fsdp"])
 results["fsdp"]["loop"] = _workload.custom_loop_run(built["fsdp"])
 results["threads"] = {key: sorted(set(names)) for key, names in threads.items()}

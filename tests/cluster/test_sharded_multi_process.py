@@ -36,12 +36,36 @@ FIT_NAMES = (*NAMES, "model_parallel")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
+def _one_process_backup(directory) -> list:
+    """A 1-process FSDP backup (raw parts) of distinct random values in every
+    weight and optimizer variable; those values."""
+    from keras_dist.callbacks._backup_store import BackupStore
+
+    model = build_in_scope(_onto(8), initial_weights(batch_norm=True), batch_norm=True)
+    model.optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(3)
+    for v in _state(model):
+        v.assign(rng.integers(1, 100, v.shape).astype(v.dtype))
+    store = BackupStore(str(directory), async_save=False)
+    store.save(model, 7, {"epoch": 1})
+    store.close()
+    return [np.asarray(v.value).tolist() for v in _state(model)]
+
+
+def _state(model) -> list:
+    return [*model.variables, *model.optimizer.variables]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("sharded")
+    # The processes restore it too (1 -> 2 processes).
+    one_process_state = _one_process_backup(workdir / "one_process_backup")
     result = launch(HERE / "sharded_script.py", workdir, timeout=500)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in (0, 1)]
+    for result in results:
+        result["one_process_state"] = one_process_state
     return workdir, results
 
 
@@ -175,6 +199,20 @@ def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devi
     assert_weights_close(
         results[0]["fsdp"]["fit"]["weights"], model.get_weights(), rtol=0, atol=0
     )
+
+
+def test_a_one_process_backup_restores_onto_two_processes(cluster):
+    """Raw parts written by one process: each of 2 processes reads the parts
+    its 4 devices hold (FSDP over 8), exactly."""
+    _, results = cluster
+    for result in results:
+        got = result["fsdp"]["from_one_process"]
+        assert got["epoch"] == 1
+        for expected, value in zip(
+            result["one_process_state"], got["state"], strict=True
+        ):
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(expected))
+        assert got["parts_held"] == 4
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -1,0 +1,160 @@
+"""`RawArraysHandler`: a backup's arrays as their parts' raw bytes.
+
+An Orbax `CheckpointHandler` for `BackupStore`'s one-process backups. Orbax's
+`CheckpointManager` still numbers the backups, writes each into a temporary
+directory and commits it by a rename, keeps two and deletes half-written
+ones; this handler only writes the item's files inside that directory:
+
+    arrays.bin    every array's distinct parts (a replicated array's once),
+                  their bytes one after another, C order
+    index.json    per array: its shape, its dtype and each part's
+                  [start, stop) per axis, offset and length in arrays.bin
+
+Both files are flushed and fsynced before Orbax commits. Writing costs about
+the bytes' own copy (`benchmarks/save_cost.py`: 96 MB, raw bytes 36-44 ms of
+CPU; Orbax's TensorStore write of the same arrays 194-282 ms), which the
+training thread's loop shares the host with while a save runs in the
+background. A restore reads the parts through a memory map onto any layout:
+another mesh, another number of devices or processes (each process reads
+the parts its devices need).
+
+With several processes, backups stay Orbax's (each process writes its own
+parts; `BackupStore`).
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+__all__ = ["RawArraysHandler", "RawArraysRestore", "RawArraysSave"]
+
+_DATA, _INDEX = "arrays.bin", "index.json"
+_FORMAT = "keras_dist.raw_arrays/1"
+
+
+def _host_part(data: jax.Array) -> np.ndarray:
+    """One device's part as a C-contiguous host array (no copy on CPU)."""
+    return np.ascontiguousarray(np.asarray(data))
+
+
+def _bounds(index: tuple, shape: tuple) -> list:
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+
+
+class RawArraysHandler(ocp.CheckpointHandler):
+    """Writes a `{group: [jax.Array]}` tree as raw parts; restores it onto
+    the shardings of a tree of `jax.ShapeDtypeStruct`s (one process writes;
+    any number reads)."""
+
+    def save(self, directory: epath.Path, args: "RawArraysSave") -> None:
+        index: dict[str, Any] = {"format": _FORMAT, "groups": {}}
+        offset = 0
+        path = os.fspath(directory)
+        with open(os.path.join(path, _DATA), "wb") as f:
+            for group, arrays in args.item.items():
+                entries = []
+                for a in arrays:
+                    shape = tuple(a.shape)
+                    parts, seen = [], set()
+                    for shard in a.addressable_shards:
+                        bounds = _bounds(shard.index, shape)
+                        key = tuple(map(tuple, bounds))
+                        if key in seen:  # Another replica of a part written.
+                            continue
+                        seen.add(key)
+                        data = _host_part(shard.data)
+                        f.write(data.reshape(-1).view(np.uint8).data)
+                        parts.append([bounds, offset, data.nbytes])
+                        offset += data.nbytes
+                    entries.append(
+                        {
+                            "shape": list(shape),
+                            "dtype": np.dtype(a.dtype).name,
+                            "parts": parts,
+                        }
+                    )
+                index["groups"][group] = entries
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(path, _INDEX), "w") as f:
+            json.dump(index, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def restore(self, directory: epath.Path, args: "RawArraysRestore") -> dict:
+        path = os.fspath(directory)
+        with open(os.path.join(path, _INDEX)) as f:
+            index = json.load(f)
+        if index.get("format") != _FORMAT:
+            raise ValueError(
+                f"{path} holds arrays in format {index.get('format')!r}; this "
+                f"keras_dist reads {_FORMAT!r}."
+            )
+        data = np.memmap(os.path.join(path, _DATA), dtype=np.uint8, mode="r")
+        restored = {}
+        for group, targets in args.item.items():
+            entries = index["groups"][group]
+            if len(entries) != len(targets):
+                raise ValueError(
+                    f"{path}: {len(entries)} {group} arrays saved, "
+                    f"{len(targets)} asked for."
+                )
+            restored[group] = [
+                _restore_one(data, entry, target, path)
+                for entry, target in zip(entries, targets, strict=True)
+            ]
+        return restored
+
+
+def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
+    shape, dtype = tuple(entry["shape"]), jnp.dtype(entry["dtype"])
+    if shape != tuple(target.shape):
+        raise ValueError(
+            f"{path}: an array of shape {shape} saved, {tuple(target.shape)} asked for."
+        )
+    whole = None
+
+    def read(bounds) -> np.ndarray:
+        begin, length = bounds[1], bounds[2]
+        part_shape = tuple(stop - start for start, stop in bounds[0])
+        return data[begin : begin + length].view(dtype).reshape(part_shape)
+
+    by_bounds = {tuple(map(tuple, p[0])): p for p in entry["parts"]}
+
+    def part(index: tuple) -> np.ndarray:
+        nonlocal whole
+        key = tuple(map(tuple, _bounds(index, shape)))
+        if key in by_bounds:  # Stored as this device needs it.
+            value = read(by_bounds[key])
+        else:  # Another layout: the whole array, assembled once.
+            if whole is None:
+                whole = np.empty(shape, dtype)
+                for p in entry["parts"]:
+                    whole[tuple(slice(a, b) for a, b in p[0])] = read(p)
+            value = whole[index]
+        return np.array(value, dtype=target.dtype)  # A copy off the map.
+
+    return jax.make_array_from_callback(shape, target.sharding, part)
+
+
+@ocp.args.register_with_handler(RawArraysHandler, for_save=True)
+@dataclasses.dataclass
+class RawArraysSave(ocp.args.CheckpointArgs):
+    """`item`: `{group: [jax.Array]}`."""
+
+    item: dict
+
+
+@ocp.args.register_with_handler(RawArraysHandler, for_restore=True)
+@dataclasses.dataclass
+class RawArraysRestore(ocp.args.CheckpointArgs):
+    """`item`: `{group: [jax.ShapeDtypeStruct]}` with the target shardings."""
+
+    item: dict
