@@ -50,12 +50,13 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Saves are asynchronous by default, with one process or several:
     training waits only while the state is frozen (copied on its devices),
-    and keras_dist's writer thread writes the files. One save is in flight at a time (a newer one waits for
-    the older). A background write that fails raises
-    `kd.errors.CheckpointWriteError` (the path and the cause) on the training
-    thread at the next step, save or the end of `fit`; the previous backup
-    stays intact. A save in flight when `fit` ends, raises, or is preempted
-    (SIGTERM) is finished before `fit` returns or the process exits.
+    and keras_dist's writer thread writes the files. One save is in flight
+    at a time (a newer one waits for the older). A background write that
+    fails raises `kd.errors.CheckpointWriteError` (the path and the cause)
+    on the training thread at the next step, save or the end of `fit`; the
+    previous backup stays intact. A save in flight when `fit` ends, raises,
+    or is preempted (SIGTERM) is finished before `fit` returns or the
+    process exits.
 
     Exactness needs what an uninterrupted run needs to be reproducible: the
     same seeds set before `fit` (e.g. `keras.utils.set_random_seed`), and an

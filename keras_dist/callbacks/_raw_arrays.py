@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from etils import epath
 
 __all__ = ["RawArraysHandler", "RawArraysRestore", "RawArraysSave"]
 
@@ -53,7 +52,7 @@ class RawArraysHandler(ocp.CheckpointHandler):
     the shardings of a tree of `jax.ShapeDtypeStruct`s (one process writes;
     any number reads)."""
 
-    def save(self, directory: epath.Path, args: "RawArraysSave") -> None:
+    def save(self, directory, args: "RawArraysSave") -> None:  # An epath.Path.
         index: dict[str, Any] = {"format": _FORMAT, "groups": {}}
         offset = 0
         path = os.fspath(directory)
@@ -88,7 +87,7 @@ class RawArraysHandler(ocp.CheckpointHandler):
             f.flush()
             os.fsync(f.fileno())
 
-    def restore(self, directory: epath.Path, args: "RawArraysRestore") -> dict:
+    def restore(self, directory, args: "RawArraysRestore") -> dict:
         path = os.fspath(directory)
         with open(os.path.join(path, _INDEX)) as f:
             index = json.load(f)
@@ -128,8 +127,9 @@ def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
 
     by_bounds = {tuple(map(tuple, p[0])): p for p in entry["parts"]}
 
-    def part(index: tuple) -> np.ndarray:
+    def part(index: tuple | None) -> np.ndarray:
         nonlocal whole
+        index = index if index is not None else (slice(None),) * len(shape)
         key = tuple(map(tuple, _bounds(index, shape)))
         if key in by_bounds:  # Stored as this device needs it.
             value = read(by_bounds[key])

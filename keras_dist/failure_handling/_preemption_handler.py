@@ -123,8 +123,9 @@ class PreemptionCheckpointHandler:
 
     `checkpoint_or_manager` is either a `keras.Model` — its weights and the
     variables of `model.optimizer` and of its metrics are saved as
-    `BackupAndRestore`'s backups (Orbax checkpoint steps) in `checkpoint_dir` (so the loop must keep its state in the
-    model's variables: `train_on_batch`, or assigning the results of a
+    `BackupAndRestore`'s backups (Orbax checkpoint steps) in
+    `checkpoint_dir` (so the loop must keep its state in the model's
+    variables: `train_on_batch`, or assigning the results of a
     stateless step back) — or any manager object with `save(number, meta)`
     and `restore() -> meta | None` (the meta dict holds `total_run_calls`),
     in which case `checkpoint_dir` is not used.
