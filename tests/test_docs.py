@@ -60,6 +60,7 @@ def test_ci_runs_the_readme_test_command():
     assert test_command.endswith("python -m pytest")
 
 
+@pytest.mark.examples
 def test_readme_quickstart_runs():
     blocks = _python_blocks(ROOT / "README.md")
     assert blocks, "README has no python example"
@@ -70,6 +71,7 @@ def test_readme_quickstart_runs():
     assert "Epoch 3/3" in out
 
 
+@pytest.mark.examples
 def test_custom_training_loop_guide_runs():
     blocks = _python_blocks(GUIDES / "custom-training-loops.md")
     assert blocks, "the custom-loop guide has no python example"
@@ -80,6 +82,7 @@ def test_custom_training_loop_guide_runs():
     assert out.strip().splitlines()[-1] == "True"
 
 
+@pytest.mark.examples
 def test_multi_host_guide_example_runs_in_one_process():
     blocks = [b for b in _python_blocks(GUIDES / "multi-host.md") if "MultiWorker" in b]
     assert blocks, "the multi-host guide has no MultiWorkerMirroredStrategy example"
@@ -88,6 +91,7 @@ def test_multi_host_guide_example_runs_in_one_process():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_path):
     text = (GUIDES / "multi-host.md").read_text()
     command = next(
@@ -117,11 +121,13 @@ def _mixed_precision_blocks() -> list[str]:
     return _python_blocks(GUIDES / "mixed-precision.md")
 
 
+@pytest.mark.examples
 def test_mixed_precision_guide_fit_runs():
     out = _run(["-c", _mixed_precision_blocks()[0]])
     assert out.strip().splitlines()[-1] == "LossScaleOptimizer 32768.0"
 
 
+@pytest.mark.examples
 def test_mixed_precision_guide_custom_loop_skips_on_every_replica():
     out = _run(["-c", _mixed_precision_blocks()[1]])
     assert out.strip().splitlines()[-3:] == [
@@ -131,6 +137,7 @@ def test_mixed_precision_guide_custom_loop_skips_on_every_replica():
     ]
 
 
+@pytest.mark.examples
 def test_large_models_guide_model_parallel_example_runs():
     text = (GUIDES / "large-models.md").read_text()
     section = text.split("\n## A second mesh axis:", 1)[1].split("\n## ", 1)[0]

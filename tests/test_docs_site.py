@@ -177,6 +177,7 @@ def test_the_examples_checked_elsewhere_are_those_blocks():
 
 # The blocks another test runs and checks (CHECKED_ELSEWHERE, kept exact by
 # the test above) are left out here: each block runs once.
+@pytest.mark.examples
 @pytest.mark.parametrize(
     "page, index, block",
     [

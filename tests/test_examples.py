@@ -12,6 +12,7 @@ import pytest
 from tests.test_docs import ROOT, _run
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 def test_demo_runs_and_matches_one_device(tmp_path):
     out = _run(
@@ -128,6 +129,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     assert (tmp_path / "single_vs_mirrored.png").stat().st_size > 10_000
 
 
+@pytest.mark.benchmarks
 def test_optimizer_benchmark_writes_its_table(tmp_path):
     """The Adam benchmark: every update on each shape, a table and the JSON."""
     args = ["--devices", "1", "--shapes", "16x4,32", "--repeats", "2"]
@@ -189,6 +191,7 @@ def test_optimizer_benchmark_passes_xla_flags_and_names_a_failed_measurement(
     assert not (tmp_path / "optimizer_update.json").exists()
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 def test_seed_keras_tutorial_runs_with_only_the_strategy_lines_changed(tmp_path):
     out = _run(
@@ -243,6 +246,7 @@ def test_benchmark_names_what_a_crashed_run_said(tmp_path, monkeypatch):
     assert row == {"error": "no RESULT line"}
 
 
+@pytest.mark.benchmarks
 def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
     out = _run(
         [

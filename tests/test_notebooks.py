@@ -147,6 +147,7 @@ def save_full_run(name: str) -> None:
     nbformat.write(nb, path)
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_digits_mirrored_notebook(tmp_path):
@@ -157,6 +158,7 @@ def test_digits_mirrored_notebook(tmp_path):
     assert "kernel sharding: P(None, None, None, None) on 8 devices" in out
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_custom_training_loop_notebook_equals_one_device(tmp_path):
@@ -175,6 +177,7 @@ def test_custom_training_loop_notebook_equals_one_device(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 @pytest.mark.timeout(300)
 def test_multi_worker_notebook_two_processes_equal_one(tmp_path):
     out, _ = _execute("multi_worker.ipynb", tmp_path, epochs=1)
@@ -202,6 +205,7 @@ def test_multi_worker_notebook_two_processes_equal_one(tmp_path):
     assert "equal to one process: True" in out
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tpu_notebook_falls_back_to_mirrored_on_cpu(tmp_path):
@@ -228,6 +232,7 @@ def test_tpu_notebook_falls_back_to_mirrored_on_cpu(tmp_path):
     assert _count_png(outputs) == 1
 
 
+@pytest.mark.examples
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_finetune_llm_notebook_trains_lora_on_a_2d_mesh_and_generates(tmp_path):

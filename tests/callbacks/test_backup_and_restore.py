@@ -238,7 +238,9 @@ def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
     assert result.returncode == -15
 
 
-@pytest.mark.parametrize("kill_at", [5, 10, 13])
+# One step (mid-epoch 2); the random kills during async saves are the chain
+# of 20 below.
+@pytest.mark.parametrize("kill_at", [10])
 def test_sigkill_during_async_saves_resumes_from_the_newest_complete_backup(
     reference, tmp_path, kill_at
 ):

@@ -273,9 +273,17 @@ def _largest_kernel(model):
     return max(model.weights, key=lambda v: int(np.prod(v.shape)))
 
 
-@pytest.mark.parametrize("kind", ["gemma", "llama"])
+# keras-hub's layout maps are each model's own: both models. The automatic
+# layouts are rules over any model's weights: one model each (the greedy
+# `generate` tests below fit both models on the automatic layout too).
 @pytest.mark.parametrize(
-    "setup", ["automatic", "keras_hub_layout_map", "automatic_fsdp"]
+    "setup, kind",
+    [
+        ("automatic", "gemma"),
+        ("keras_hub_layout_map", "gemma"),
+        ("keras_hub_layout_map", "llama"),
+        ("automatic_fsdp", "llama"),
+    ],
 )
 def test_keras_hub_causal_lm_on_a_2d_mesh_equals_one_device(lm_references, kind, setup):
     if setup == "automatic":
