@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from keras_dist._keras_compat._freeze import freeze
+from keras_dist.callbacks import _raw_arrays
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import (
     background_barriers,
@@ -19,9 +20,7 @@ from keras_dist.errors import IncompatibleBackupError
 __all__ = ["BackupStore", "IncompatibleBackupError", "variable_groups"]
 
 GROUPS = ("trainable", "non_trainable", "optimizer", "metrics")
-# A one-process backup's arrays (`_raw_arrays.py`, which imports Orbax: it
-# is imported when a store opens).
-ITEM = "arrays"
+ITEM = "arrays"  # A one-process backup's arrays (`_raw_arrays.py`).
 
 
 def variable_groups(model) -> dict[str, list]:
@@ -62,8 +61,6 @@ class BackupStore:
     def __init__(self, directory: str, *, async_save: bool):
         import orbax.checkpoint as ocp
 
-        from keras_dist.callbacks._raw_arrays import RawArraysHandler
-
         self.directory = directory
         self.async_save = async_save
         self.pending: int | None = None  # The number of a save in flight.
@@ -99,7 +96,7 @@ class BackupStore:
                     type_handler_registry=backup_type_handlers(),
                 ),
                 # One process: the parts' raw bytes (a fraction of the CPU).
-                ITEM: RawArraysHandler(),
+                ITEM: _raw_arrays.handler(),
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
@@ -134,9 +131,7 @@ class BackupStore:
         if number in self._manager.all_steps():
             self._manager.delete(number)
         if jax.process_count() == 1:
-            from keras_dist.callbacks._raw_arrays import RawArraysSave
-
-            items = {ITEM: RawArraysSave(state)}
+            items = {ITEM: _raw_arrays.save_args(state)}
         else:
             items = {"state": ocp.args.PyTreeSave(state)}
         with collection_paused():
@@ -228,9 +223,7 @@ class BackupStore:
         import orbax.checkpoint as ocp
 
         if os.path.isdir(os.path.join(self.directory, str(number), ITEM)):
-            from keras_dist.callbacks._raw_arrays import RawArraysRestore
-
-            items = {ITEM: RawArraysRestore(abstract)}
+            items = {ITEM: _raw_arrays.restore_args(abstract)}
         else:  # Several processes wrote it, or a keras_dist before raw arrays.
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
             items = {"state": ocp.args.PyTreeRestore(abstract, restore_args)}

@@ -1,6 +1,7 @@
-"""`RawArraysHandler`: a backup's arrays as their parts' raw bytes.
+"""A backup's arrays as their parts' raw bytes: `write`, `read`, and an Orbax
+`CheckpointHandler` around them (`handler`, `save_args`, `restore_args`).
 
-An Orbax `CheckpointHandler` for `BackupStore`'s one-process backups. Orbax's
+The handler is `BackupStore`'s item for one-process backups. Orbax's
 `CheckpointManager` still numbers the backups, writes each into a temporary
 directory and commits it by a rename, keeps two and deletes half-written
 ones; this handler only writes the item's files inside that directory:
@@ -11,8 +12,8 @@ ones; this handler only writes the item's files inside that directory:
                   [start, stop) per axis, offset and length in arrays.bin
 
 Both files are flushed and fsynced before Orbax commits. Writing costs about
-the bytes' own copy (`benchmarks/save_cost.py`: 96 MB, raw bytes 36-44 ms of
-CPU; Orbax's TensorStore write of the same arrays 194-282 ms), which the
+1.4-1.8x the bytes' own write (`benchmarks/save_cost.py`, 96 MB: 64-82 ms of
+CPU with Orbax's step management; Orbax's array format 152-293 ms), which the
 training thread's loop shares the host with while a save runs in the
 background. A restore reads the parts through a memory map onto any layout:
 another mesh, another number of devices or processes (each process reads
@@ -23,6 +24,7 @@ parts; `BackupStore`).
 """
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -30,9 +32,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 
-__all__ = ["RawArraysHandler", "RawArraysRestore", "RawArraysSave"]
+__all__ = ["handler", "read", "restore_args", "save_args", "write"]
 
 _DATA, _INDEX = "arrays.bin", "index.json"
 _FORMAT = "keras_dist.raw_arrays/1"
@@ -47,69 +48,66 @@ def _bounds(index: tuple, shape: tuple) -> list:
     return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
 
 
-class RawArraysHandler(ocp.CheckpointHandler):
-    """Writes a `{group: [jax.Array]}` tree as raw parts; restores it onto
-    the shardings of a tree of `jax.ShapeDtypeStruct`s (one process writes;
-    any number reads)."""
-
-    def save(self, directory, args: "RawArraysSave") -> None:  # An epath.Path.
-        index: dict[str, Any] = {"format": _FORMAT, "groups": {}}
-        offset = 0
-        path = os.fspath(directory)
-        with open(os.path.join(path, _DATA), "wb") as f:
-            for group, arrays in args.item.items():
-                entries = []
-                for a in arrays:
-                    shape = tuple(a.shape)
-                    parts, seen = [], set()
-                    for shard in a.addressable_shards:
-                        bounds = _bounds(shard.index, shape)
-                        key = tuple(map(tuple, bounds))
-                        if key in seen:  # Another replica of a part written.
-                            continue
-                        seen.add(key)
-                        data = _host_part(shard.data)
-                        f.write(data.reshape(-1).view(np.uint8).data)
-                        parts.append([bounds, offset, data.nbytes])
-                        offset += data.nbytes
-                    entries.append(
-                        {
-                            "shape": list(shape),
-                            "dtype": np.dtype(a.dtype).name,
-                            "parts": parts,
-                        }
-                    )
-                index["groups"][group] = entries
-            f.flush()
-            os.fsync(f.fileno())
-        with open(os.path.join(path, _INDEX), "w") as f:
-            json.dump(index, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    def restore(self, directory, args: "RawArraysRestore") -> dict:
-        path = os.fspath(directory)
-        with open(os.path.join(path, _INDEX)) as f:
-            index = json.load(f)
-        if index.get("format") != _FORMAT:
-            raise ValueError(
-                f"{path} holds arrays in format {index.get('format')!r}; this "
-                f"keras_dist reads {_FORMAT!r}."
-            )
-        data = np.memmap(os.path.join(path, _DATA), dtype=np.uint8, mode="r")
-        restored = {}
-        for group, targets in args.item.items():
-            entries = index["groups"][group]
-            if len(entries) != len(targets):
-                raise ValueError(
-                    f"{path}: {len(entries)} {group} arrays saved, "
-                    f"{len(targets)} asked for."
+def write(path: str, tree: dict) -> None:
+    """Writes `tree` (`{group: [jax.Array]}`) into the directory `path`."""
+    index: dict[str, Any] = {"format": _FORMAT, "groups": {}}
+    offset = 0
+    with open(os.path.join(path, _DATA), "wb") as f:
+        for group, arrays in tree.items():
+            entries = []
+            for a in arrays:
+                shape = tuple(a.shape)
+                parts, seen = [], set()
+                for shard in a.addressable_shards:
+                    bounds = _bounds(shard.index, shape)
+                    key = tuple(map(tuple, bounds))
+                    if key in seen:  # Another replica of a part written.
+                        continue
+                    seen.add(key)
+                    data = _host_part(shard.data)
+                    f.write(data.reshape(-1).view(np.uint8).data)
+                    parts.append([bounds, offset, data.nbytes])
+                    offset += data.nbytes
+                entries.append(
+                    {
+                        "shape": list(shape),
+                        "dtype": np.dtype(a.dtype).name,
+                        "parts": parts,
+                    }
                 )
-            restored[group] = [
-                _restore_one(data, entry, target, path)
-                for entry, target in zip(entries, targets, strict=True)
-            ]
-        return restored
+            index["groups"][group] = entries
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(path, _INDEX), "w") as f:
+        json.dump(index, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read(path: str, targets: dict) -> dict:
+    """The arrays in the directory `path`, laid out as `targets` (`{group:
+    [jax.ShapeDtypeStruct]}`, with shardings) say."""
+    with open(os.path.join(path, _INDEX)) as f:
+        index = json.load(f)
+    if index.get("format") != _FORMAT:
+        raise ValueError(
+            f"{path} holds arrays in format {index.get('format')!r}; this "
+            f"keras_dist reads {_FORMAT!r}."
+        )
+    data = np.memmap(os.path.join(path, _DATA), dtype=np.uint8, mode="r")
+    restored = {}
+    for group, group_targets in targets.items():
+        entries = index["groups"][group]
+        if len(entries) != len(group_targets):
+            raise ValueError(
+                f"{path}: {len(entries)} {group} arrays saved, "
+                f"{len(group_targets)} asked for."
+            )
+        restored[group] = [
+            _restore_one(data, entry, target, path)
+            for entry, target in zip(entries, group_targets, strict=True)
+        ]
+    return restored
 
 
 def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
@@ -144,17 +142,45 @@ def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
     return jax.make_array_from_callback(shape, target.sharding, part)
 
 
-@ocp.args.register_with_handler(RawArraysHandler, for_save=True)
-@dataclasses.dataclass
-class RawArraysSave(ocp.args.CheckpointArgs):
-    """`item`: `{group: [jax.Array]}`."""
+@functools.cache
+def _orbax_types() -> tuple:
+    """Orbax's handler and its save and restore arguments (Orbax is imported
+    when a store first needs them, not with keras_dist)."""
+    import orbax.checkpoint as ocp
 
-    item: dict
+    class RawArraysHandler(ocp.CheckpointHandler):
+        """`write` and `read` as an Orbax item (one process writes; any
+        number reads)."""
+
+        def save(self, directory, args) -> None:  # An epath.Path.
+            write(os.fspath(directory), args.item)
+
+        def restore(self, directory, args) -> dict:
+            return read(os.fspath(directory), args.item)
+
+    @ocp.args.register_with_handler(RawArraysHandler, for_save=True)
+    @dataclasses.dataclass
+    class RawArraysSave(ocp.args.CheckpointArgs):
+        item: dict  # {group: [jax.Array]}
+
+    @ocp.args.register_with_handler(RawArraysHandler, for_restore=True)
+    @dataclasses.dataclass
+    class RawArraysRestore(ocp.args.CheckpointArgs):
+        item: dict  # {group: [jax.ShapeDtypeStruct]}, with target shardings
+
+    return RawArraysHandler, RawArraysSave, RawArraysRestore
 
 
-@ocp.args.register_with_handler(RawArraysHandler, for_restore=True)
-@dataclasses.dataclass
-class RawArraysRestore(ocp.args.CheckpointArgs):
-    """`item`: `{group: [jax.ShapeDtypeStruct]}` with the target shardings."""
+def handler():
+    """An Orbax `CheckpointHandler` for `CheckpointManager`'s item_handlers."""
+    return _orbax_types()[0]()
 
-    item: dict
+
+def save_args(tree: dict):
+    """Orbax's save arguments of `tree` (`{group: [jax.Array]}`)."""
+    return _orbax_types()[1](tree)
+
+
+def restore_args(targets: dict):
+    """Orbax's restore arguments: `{group: [jax.ShapeDtypeStruct]}`."""
+    return _orbax_types()[2](targets)
