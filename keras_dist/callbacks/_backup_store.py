@@ -41,11 +41,12 @@ class BackupStore:
     A backup holds every variable of the model, its optimizer and metrics
     (uncompressed), plus a JSON `meta` dict (with each variable's path and
     shape, to refuse a backup of another model). With one process the arrays
-    are their parts' raw bytes (`_raw_arrays.py`: the write costs about the
-    bytes' copy); with several, each process writes the parts of split
-    variables it holds (Orbax's PyTree format). Nothing is gathered whole,
-    and either kind restores onto any layout and number of processes
-    (backups of keras_dist 0.1 before the raw format, Orbax's, too).
+    are their parts' raw bytes (`_raw_arrays.py`: 1.4-1.8x the CPU of the
+    bytes' own write, a quarter to a half of Orbax's array format's); with
+    several, each process writes the parts of split variables it holds
+    (Orbax's PyTree format). Nothing is gathered whole, and either kind
+    restores onto any layout and number of processes (so do the backups in
+    Orbax's format that one process wrote before raw parts).
 
     With `async_save`, `save` freezes the state (copies on its devices, one
     dispatch that does not wait for the step computing it; on host when the
