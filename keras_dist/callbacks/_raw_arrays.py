@@ -118,7 +118,7 @@ def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
         )
     whole = None
 
-    def read(bounds) -> np.ndarray:
+    def stored(bounds) -> np.ndarray:
         begin, length = bounds[1], bounds[2]
         part_shape = tuple(stop - start for start, stop in bounds[0])
         return data[begin : begin + length].view(dtype).reshape(part_shape)
@@ -130,12 +130,12 @@ def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
         index = index if index is not None else (slice(None),) * len(shape)
         key = tuple(map(tuple, _bounds(index, shape)))
         if key in by_bounds:  # Stored as this device needs it.
-            value = read(by_bounds[key])
+            value = stored(by_bounds[key])
         else:  # Another layout: the whole array, assembled once.
             if whole is None:
                 whole = np.empty(shape, dtype)
                 for p in entry["parts"]:
-                    whole[tuple(slice(a, b) for a, b in p[0])] = read(p)
+                    whole[tuple(slice(a, b) for a, b in p[0])] = stored(p)
             value = whole[index]
         return np.array(value, dtype=target.dtype)  # A copy off the map.
 
