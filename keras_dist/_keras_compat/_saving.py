@@ -44,6 +44,7 @@ from keras.src.saving.saving_lib import (
 )
 
 from keras_dist._keras_compat._freeze import freeze
+from keras_dist.utils._array_io import distinct_parts, run_start, write_buffers
 
 __all__ = [
     "Snapshot",
@@ -108,9 +109,11 @@ class Snapshot:
     assets_dir: str | None = None  # A temporary directory (removed by `release`).
     nbytes: int = field(default=0)
 
+    def values(self) -> list:
+        return [v for _, _, group in self.entries for v in group.values()]
+
     def to_host(self) -> None:
-        values = [v for _, _, group in self.entries for v in group.values()]
-        for v in values:
+        for v in self.values():
             if isinstance(v, jax.Array):
                 v.copy_to_host_async()
         for _, _, group in self.entries:
@@ -234,14 +237,10 @@ def _replay(snap: Snapshot, store) -> None:
 
 def write_snapshot(snap: Snapshot, path: str) -> None:
     """Writes `snap` to `path`: a `.weights.h5` file, or a `.keras` zip."""
-    snap.to_host()
     if snap.config_json is None:
-        store = H5IOStore(path, mode="w")
-        try:
-            _replay(snap, store)
-        finally:
-            store.close()
+        _write_weights_h5(snap, path)
         return
+    snap.to_host()
     with open(path, "wb") as f, zipfile.ZipFile(f, "w") as zf:
         if snap.metadata_json is None:  # Recorded with the config, always.
             raise ValueError(f"Cannot write {path}: the snapshot has no metadata.")
@@ -256,6 +255,86 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             store.close()
         if snap.assets_dir is not None and any(os.scandir(snap.assets_dir)):
             _write_to_zip_recursively(zf, snap.assets_dir, _ASSETS_DIRNAME)
+
+
+def _direct(value) -> bool:
+    """Whether `_write_weights_h5` writes `value`'s bytes itself: a
+    non-empty array of plain numbers (anything else, e.g. bfloat16 with
+    Keras's dtype attribute, goes through `H5IOStore` as it is)."""
+    return (
+        isinstance(value, (np.ndarray, jax.Array))
+        and np.dtype(value.dtype).kind in "iuf"
+        and value.size > 0
+    )
+
+
+def _write_weights_h5(snap: Snapshot, path: str) -> None:
+    """`snap` as the `.weights.h5` file `save_weights` writes, its arrays'
+    bytes written outside h5py.
+
+    h5py holds Python's lock (the GIL) while it writes a dataset, so a
+    background writer calling it stalls a training thread that dispatches
+    steps in Python (every host-bound loop) for as long as the bytes take.
+    Here h5py (through Keras's `H5IOStore`) only makes the file's
+    structure: each array's dataset is created with its storage allocated
+    in place, at a fixed offset of the file. Once the file is closed, each
+    array's parts go to their regions in one vectored write (which releases
+    the lock; a split array is not assembled first, unless its parts are
+    not runs of its bytes). The file is Keras's format.
+    """
+    store = H5IOStore(path, mode="w")
+    regions = []  # (offset in the file, value)
+    try:
+        for entry_path, metadata, values in snap.entries:
+            entry = store.make(entry_path, metadata=metadata)
+            for key, value in values.items():
+                if not _direct(value):
+                    entry[key] = value
+                    continue
+                if not store._h5_entry_initialized:  # As `entry[key] = ...` does.
+                    store._create_h5_group(store._h5_entry_path)
+                dataset = store._h5_entry_group.create_dataset(
+                    key, shape=value.shape, dtype=np.dtype(value.dtype), dcpl=_dcpl()
+                )
+                offset = dataset.id.get_offset()  # None: not allocated (a scalar).
+                if offset is None:
+                    dataset[...] = np.asarray(value)
+                else:
+                    regions.append((offset, value))
+    finally:
+        store.close()
+    parts = distinct_parts([value for _, value in regions])
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for (offset, value), value_parts in zip(regions, parts, strict=True):
+            write_buffers(fd, _in_c_order(value, value_parts), offset)
+    finally:
+        os.close(fd)
+
+
+def _dcpl():
+    """A dataset's creation properties: contiguous storage allocated when
+    it is created (its offset known), never filled (the bytes follow)."""
+    import h5py  # type: ignore[import-untyped]
+
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
+def _in_c_order(value, parts: list) -> list[np.ndarray]:
+    """Buffers holding `value`'s bytes in C order: its parts, when each is
+    one run of them; else the whole array assembled from the parts."""
+    shape = tuple(value.shape)
+    runs = [(run_start(bounds, shape), data) for bounds, data in parts]
+    if all(start is not None for start, _ in runs):
+        return [data for _, data in sorted(runs, key=lambda run: run[0] or 0)]
+    whole = np.empty(shape, np.dtype(value.dtype))
+    for bounds, data in parts:
+        whole[tuple(slice(a, b) for a, b in bounds)] = data
+    return [whole]
 
 
 def model_files(model) -> dict:

@@ -33,51 +33,44 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from keras_dist.utils._array_io import distinct_parts, index_bounds, write_buffers
+
 __all__ = ["handler", "read", "restore_args", "save_args", "write"]
 
 _DATA, _INDEX = "arrays.bin", "index.json"
 _FORMAT = "keras_dist.raw_arrays/1"
 
 
-def _host_part(data: jax.Array) -> np.ndarray:
-    """One device's part as a C-contiguous host array (no copy on CPU)."""
-    return np.ascontiguousarray(np.asarray(data))
-
-
-def _bounds(index: tuple, shape: tuple) -> list:
-    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
-
-
 def write(path: str, tree: dict) -> None:
     """Writes `tree` (`{group: [jax.Array]}`) into the directory `path`."""
     index: dict[str, Any] = {"format": _FORMAT, "groups": {}}
-    offset = 0
-    with open(os.path.join(path, _DATA), "wb") as f:
-        for group, arrays in tree.items():
-            entries = []
-            for a in arrays:
-                shape = tuple(a.shape)
-                parts, seen = [], set()
-                for shard in a.addressable_shards:
-                    bounds = _bounds(shard.index, shape)
-                    key = tuple(map(tuple, bounds))
-                    if key in seen:  # Another replica of a part written.
-                        continue
-                    seen.add(key)
-                    data = _host_part(shard.data)
-                    f.write(data.reshape(-1).view(np.uint8).data)
-                    parts.append([bounds, offset, data.nbytes])
-                    offset += data.nbytes
-                entries.append(
-                    {
-                        "shape": list(shape),
-                        "dtype": np.dtype(a.dtype).name,
-                        "parts": parts,
-                    }
-                )
-            index["groups"][group] = entries
-        f.flush()
-        os.fsync(f.fileno())
+    arrays = [a for group in tree.values() for a in group]
+    parts = iter(distinct_parts(arrays))  # Every device -> host copy started.
+    buffers, offset = [], 0
+    for group, group_arrays in tree.items():
+        entries = []
+        for a in group_arrays:
+            stored = []
+            for bounds, data in next(parts):
+                buffers.append(data)
+                stored.append([[list(b) for b in bounds], offset, data.nbytes])
+                offset += data.nbytes
+            entries.append(
+                {
+                    "shape": list(a.shape),
+                    "dtype": np.dtype(a.dtype).name,
+                    "parts": stored,
+                }
+            )
+        index["groups"][group] = entries
+    fd = os.open(
+        os.path.join(path, _DATA), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
+    )
+    try:
+        write_buffers(fd, buffers)  # A few calls, not one per part.
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     with open(os.path.join(path, _INDEX), "w") as f:
         json.dump(index, f)
         f.flush()
@@ -128,7 +121,7 @@ def _restore_one(data: np.memmap, entry: dict, target, path: str) -> jax.Array:
     def part(index: tuple | None) -> np.ndarray:
         nonlocal whole
         index = index if index is not None else (slice(None),) * len(shape)
-        key = tuple(map(tuple, _bounds(index, shape)))
+        key = index_bounds(index, shape)
         if key in by_bounds:  # Stored as this device needs it.
             value = stored(by_bounds[key])
         else:  # Another layout: the whole array, assembled once.

@@ -378,6 +378,77 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     np.testing.assert_array_equal(np.asarray(on_host), np.zeros((4, 8)))
 
 
+def _h5_contents(path) -> dict:
+    """Every dataset of an HDF5 file: name -> (dtype, shape, bytes, attrs)."""
+    import h5py
+
+    contents = {}
+    with h5py.File(path, "r") as f:
+
+        def visit(name, obj):
+            attrs = {k: str(v) for k, v in obj.attrs.items()}
+            if isinstance(obj, h5py.Dataset):
+                value = obj[()]
+                contents[name] = (str(obj.dtype), obj.shape, value.tobytes(), attrs)
+            else:
+                contents[name] = attrs
+
+        f.visititems(visit)
+    return contents
+
+
+def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path):
+    """The background `.weights.h5` writer creates the datasets with h5py
+    and writes their bytes itself (each device's part to its region): the
+    file holds what Keras's own `H5IOStore` writes from the same values,
+    for every layout of the parts (one run of bytes each, or not) and for
+    values h5py writes (bfloat16, scalars, empty)."""
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec
+    from keras.src.saving.saving_lib import H5IOStore
+
+    from keras_dist._keras_compat._saving import Snapshot, write_snapshot
+
+    mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices())
+    rng = np.random.default_rng(0)
+
+    def on(value, *spec):
+        return jax.device_put(value, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    def floats(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    values = {
+        "rows": on(floats(8, 6), "a"),  # 4 runs of bytes, each twice.
+        "rows_cols": on(floats(8, 6), "a", "b"),  # Not runs: the whole array.
+        "cols": on(floats(2, 8), None, ("a", "b")),  # Not runs either.
+        "one_row_each": on(floats(4, 1, 6), "a"),  # Runs (length-1 axes).
+        "replicated": on(floats(3, 5), None),
+        "ints": on(np.arange(32, dtype=np.int64).reshape(8, 4), "a"),
+        "host": floats(7, 3),
+        "scalar": np.float32(3.5),
+        "empty": np.zeros((0, 4), np.float32),
+        "bf16": floats(4, 4).astype(ml_dtypes.bfloat16),
+    }
+    entries = [
+        ("layers/dense", {"note": "metadata"}, dict(list(values.items())[:5])),
+        ("optimizer", None, dict(list(values.items())[5:])),
+        ("layers/unused", None, {}),
+    ]
+    ours = str(tmp_path / "ours.weights.h5")
+    write_snapshot(Snapshot(entries=[(p, m, dict(v)) for p, m, v in entries]), ours)
+    keras_own = str(tmp_path / "keras.weights.h5")
+    store = H5IOStore(keras_own, mode="w")
+    for path, metadata, group in entries:
+        entry = store.make(path, metadata=metadata)
+        for key, value in group.items():
+            entry[key] = np.asarray(value)
+    store.close()
+    assert _h5_contents(ours) == _h5_contents(keras_own)
+    assert "layers/dense/vars/rows" in _h5_contents(ours)
+
+
 def test_backups_and_sharded_checkpoints_are_written_uncompressed(tmp_path):
     """They hold the state's raw bytes, as `.weights.h5` does: zstd saves
     ~9% of a trained float state's bytes and more than doubles a write's
