@@ -18,11 +18,23 @@ process's CPU time (every thread), wall time and minor page faults.
     backup_orbax_defaults  that write with Orbax's default array handler
     backup_no_ocdbt  ... and without OCDBT (a TensorStore directory per
                   array: Orbax's `use_ocdbt=False`)
-    weights_h5    model.save_weights(".weights.h5") (keras_dist's writer)
+    weights_h5    model.save_weights(".weights.h5") (Keras's writer)
+    weights_h5_background  keras_dist's `.weights.h5` writer, as
+                  ModelCheckpoint's background thread runs it (the state
+                  frozen before)
 
     python benchmarks/save_cost.py                  # fsdp and mirrored, ~1 min
     python benchmarks/save_cost.py --layouts fsdp --repeats 8
     python benchmarks/save_cost.py --no-gc-pause    # Orbax's writes as before
+
+Each part then runs `--repeats` times more on a background thread, as an
+asynchronous save's writer does, while the main thread runs Python without
+pause, as a training loop that dispatches short steps does (a GPU's or
+TPU's host-bound loop): "training thread stalled" is the time that thread
+did not run (its wall time less its CPU time) while the part ran, waiting
+for Python's lock (the GIL) or for a core; "longest stall" its longest
+single wait. That is what a save costs a host-bound loop, whatever the
+part's own CPU time.
 
 Each part's CPU time in Python's cyclic garbage collector is counted too
 (`gc.callbacks`): keras_dist pauses the collector during its Orbax writes;
@@ -58,6 +70,7 @@ PARTS = [
     "backup_orbax_defaults",
     "backup_no_ocdbt",
     "weights_h5",
+    "weights_h5_background",
 ]
 
 
@@ -114,6 +127,37 @@ class _Collections:
         entry[0] += 1
         entry[1] += seconds
         entry[2] = max(entry[2], seconds)
+
+
+def _stall(part) -> tuple[float, float]:
+    """Runs `part` on another thread while this one runs Python: the ms
+    this thread did not run meanwhile, and its longest single stall."""
+    import threading
+
+    done, errors = threading.Event(), []
+
+    def run():
+        try:
+            part()
+        except BaseException as error:  # Raised below, on this thread.
+            errors.append(error)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    longest, cpu, start = 0.0, time.thread_time(), time.perf_counter()
+    last = start
+    thread.start()
+    while not done.is_set():
+        for _ in range(100):  # ~2 us of Python between clock reads.
+            pass
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    thread.join()
+    if errors:
+        raise errors[0]
+    return 1000 * (wall - cpu), 1000 * longest
 
 
 def _usage() -> tuple[float, int]:
@@ -200,6 +244,16 @@ def _parts(model, directory: str) -> dict:
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
 
+    from keras_dist._keras_compat._saving import snapshot, write_snapshot
+
+    frozen_h5 = snapshot(model, with_config=False)
+    jax.block_until_ready([v for v in frozen_h5.values() if isinstance(v, jax.Array)])
+
+    def weights_h5_background():
+        path = os.path.join(directory, f"b{next(count)}.weights.h5")
+        write_snapshot(frozen_h5, path)
+        os.remove(path)
+
     return {
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
@@ -210,6 +264,7 @@ def _parts(model, directory: str) -> dict:
         "backup_orbax_defaults": orbax_write("defaults"),
         "backup_no_ocdbt": orbax_write("no_ocdbt", use_ocdbt=False),
         "weights_h5": weights_h5,
+        "weights_h5_background": weights_h5_background,
     }
 
 
@@ -290,6 +345,7 @@ def main():
                         )
                     )
                 later = samples[1:] or samples
+                stalls = [_stall(parts[name]) for _ in range(args.repeats)]
                 row = {
                     "layout": layout,
                     "part": name,
@@ -300,13 +356,16 @@ def main():
                     "gc_ms": statistics.mean(s[3] for s in later),
                     "collections": statistics.mean(s[4] for s in later),
                     "first_cpu_ms": samples[0][0],
+                    "stall_ms": statistics.median(s[0] for s in stalls),
+                    "longest_stall_ms": statistics.median(s[1] for s in stalls),
                     "samples": samples,
                 }
                 row["cpu_ms_per_mb"] = row["cpu_ms"] / state_mb
                 rows.append(row)
                 print(
                     f"{layout} {name}: {row['cpu_ms']:.0f} ms CPU, "
-                    f"{row['wall_ms']:.0f} ms wall",
+                    f"{row['wall_ms']:.0f} ms wall, stalls a Python thread "
+                    f"{row['stall_ms']:.0f} ms",
                     flush=True,
                 )
         finally:
@@ -337,7 +396,12 @@ def markdown(payload: dict) -> str:
         f"(`python benchmarks/{payload['command']}`): each part of a save "
         "timed alone, no training beside it; the median of "
         f"{payload['repeats'] - 1} repeats after a first (compiling, "
-        "warming). CPU: the process's, every thread. Garbage collector: "
+        "warming). CPU: the process's, every thread. Training thread "
+        "stalled: the part run on a background thread beside a thread "
+        "running Python without pause (a host-bound training loop), the "
+        f"median over {payload['repeats']} runs of the time that thread did "
+        "not run (waiting for the GIL or a core); longest: its longest "
+        "single stall. Garbage collector: "
         "the mean of its CPU time and collections in a call (the Orbax "
         "writes with it "
         + ("paused" if payload.get("gc_pause", True) else "running")
@@ -345,15 +409,16 @@ def markdown(payload: dict) -> str:
         "",
         "| layout | part | state MB | CPU ms | CPU ms per MB | wall ms | "
         "minor page faults | garbage collector ms | collections | first "
-        "call CPU ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "call CPU ms | training thread stalled ms | longest stall ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         out.append(
             f"| {r['layout']} | {r['part']} | {r['state_mb']:.0f} | "
             f"{r['cpu_ms']:.0f} | {r['cpu_ms_per_mb']:.2f} | {r['wall_ms']:.0f} | "
             f"{r['faults']:.0f} | {r['gc_ms']:.1f} | {r['collections']:.1f} | "
-            f"{r['first_cpu_ms']:.0f} |"
+            f"{r['first_cpu_ms']:.0f} | {r.get('stall_ms', float('nan')):.0f} | "
+            f"{r.get('longest_stall_ms', float('nan')):.1f} |"
         )
     fit_rows = payload.get("fit_collections") or []
     if fit_rows:

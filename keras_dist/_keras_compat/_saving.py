@@ -23,6 +23,7 @@ splits that walk from the writing:
 import os
 import shutil
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from keras.src.saving.saving_lib import (
 )
 
 from keras_dist._keras_compat._freeze import freeze
-from keras_dist.utils._array_io import distinct_parts, run_start, write_buffers
+from keras_dist.utils._array_io import FileLayout, distinct_parts
 
 __all__ = [
     "Snapshot",
@@ -257,38 +258,83 @@ def write_snapshot(snap: Snapshot, path: str) -> None:
             _write_to_zip_recursively(zf, snap.assets_dir, _ASSETS_DIRNAME)
 
 
-def _direct(value) -> bool:
-    """Whether `_write_weights_h5` writes `value`'s bytes itself: a
-    non-empty array of plain numbers (anything else, e.g. bfloat16 with
-    Keras's dtype attribute, goes through `H5IOStore` as it is)."""
-    return (
-        isinstance(value, (np.ndarray, jax.Array))
-        and np.dtype(value.dtype).kind in "iuf"
-        and value.size > 0
-    )
+# The files' layouts (HDF5's own bytes) by structure, for the next save of
+# the same structure (a few models' at most).
+_LAYOUTS: dict[tuple, FileLayout] = {}
+_LAYOUTS_LOCK = threading.Lock()
+
+
+def _region(value) -> bool:
+    """Whether `value` is written as bytes at an offset of the file: a
+    non-empty array of numbers (bfloat16 too); an empty one is metadata."""
+    if not isinstance(value, (np.ndarray, np.generic, jax.Array)) or value.size == 0:
+        return False
+    return np.dtype(value.dtype).kind in "iuf" or _bfloat16(value)
+
+
+def _bfloat16(value) -> bool:
+    return np.dtype(value.dtype).name == "bfloat16"
+
+
+def _structure(snap: Snapshot) -> tuple | None:
+    """What a `.weights.h5` file's own bytes depend on (None: a value that
+    h5py must write itself, e.g. a string)."""
+    structure = []
+    for path, metadata, values in snap.entries:
+        arrays = []
+        for key, value in values.items():
+            if not isinstance(value, (np.ndarray, np.generic, jax.Array)):
+                return None
+            if not _region(value) and np.dtype(value.dtype).kind not in "iuf":
+                return None
+            arrays.append((key, tuple(value.shape), str(value.dtype)))
+        meta = tuple(sorted((k, repr(v)) for k, v in (metadata or {}).items()))
+        structure.append((path, meta, tuple(arrays)))
+    return tuple(structure)
 
 
 def _write_weights_h5(snap: Snapshot, path: str) -> None:
-    """`snap` as the `.weights.h5` file `save_weights` writes, its arrays'
-    bytes written outside h5py.
+    """`snap` as the `.weights.h5` file `save_weights` writes, with few
+    calls into h5py or the kernel.
 
-    h5py holds Python's lock (the GIL) while it writes a dataset, so a
-    background writer calling it stalls a training thread that dispatches
-    steps in Python (every host-bound loop) for as long as the bytes take.
+    A background writer shares Python's lock (the GIL) with a training
+    thread that dispatches steps in Python (every host-bound loop): h5py
+    holds it while it writes a dataset's bytes, and each call that gives it
+    up and takes it back makes the training thread hand it over and wait.
     Here h5py (through Keras's `H5IOStore`) only makes the file's
-    structure: each array's dataset is created with its storage allocated
-    in place, at a fixed offset of the file. Once the file is closed, each
-    array's parts go to their regions in one vectored write (which releases
-    the lock; a split array is not assembled first, unless its parts are
-    not runs of its bytes). The file is Keras's format.
+    structure, each array's storage allocated in place; the file's own
+    bytes around the arrays are kept (`FileLayout`), and later saves of the
+    same structure skip h5py. Then the whole file, its own bytes and every
+    array's parts, goes out in a few vectored writes (a split array's parts
+    to their places, not assembled first unless they are not runs of its
+    bytes). The file is Keras's format.
     """
+    structure = _structure(snap)
+    with _LAYOUTS_LOCK:
+        layout = _LAYOUTS.get(structure) if structure is not None else None
+    arrays = [v for v in snap.values() if _region(v)]
+    if layout is None:
+        regions = _make_h5_structure(snap, path)
+        layout = FileLayout.read(path, regions)
+        if structure is not None:
+            with _LAYOUTS_LOCK:
+                if len(_LAYOUTS) >= 4:
+                    _LAYOUTS.pop(next(iter(_LAYOUTS)))
+                _LAYOUTS[structure] = layout
+    layout.write(path, arrays, distinct_parts(arrays))
+
+
+def _make_h5_structure(snap: Snapshot, path: str) -> list[tuple[int, int]]:
+    """Makes the file `path` as `H5IOStore` would, each region value's
+    storage allocated but (mostly) unwritten; returns those values' [offset,
+    nbytes] in the file, in `snap`'s order."""
     store = H5IOStore(path, mode="w")
-    regions = []  # (offset in the file, value)
+    regions = []
     try:
         for entry_path, metadata, values in snap.entries:
             entry = store.make(entry_path, metadata=metadata)
             for key, value in values.items():
-                if not _direct(value):
+                if not _region(value):
                     entry[key] = value
                     continue
                 if not store._h5_entry_initialized:  # As `entry[key] = ...` does.
@@ -296,20 +342,14 @@ def _write_weights_h5(snap: Snapshot, path: str) -> None:
                 dataset = store._h5_entry_group.create_dataset(
                     key, shape=value.shape, dtype=np.dtype(value.dtype), dcpl=_dcpl()
                 )
-                offset = dataset.id.get_offset()  # None: not allocated (a scalar).
-                if offset is None:
+                if _bfloat16(value):  # As `entry[key] = ...` marks it.
+                    dataset.attrs["dtype"] = "bfloat16"
+                if dataset.id.get_offset() is None:  # A scalar: allocated late.
                     dataset[...] = np.asarray(value)
-                else:
-                    regions.append((offset, value))
+                regions.append((dataset.id.get_offset(), int(value.nbytes)))
     finally:
         store.close()
-    parts = distinct_parts([value for _, value in regions])
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        for (offset, value), value_parts in zip(regions, parts, strict=True):
-            write_buffers(fd, _in_c_order(value, value_parts), offset)
-    finally:
-        os.close(fd)
+    return regions
 
 
 def _dcpl():
@@ -322,19 +362,6 @@ def _dcpl():
     dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
     return dcpl
-
-
-def _in_c_order(value, parts: list) -> list[np.ndarray]:
-    """Buffers holding `value`'s bytes in C order: its parts, when each is
-    one run of them; else the whole array assembled from the parts."""
-    shape = tuple(value.shape)
-    runs = [(run_start(bounds, shape), data) for bounds, data in parts]
-    if all(start is not None for start, _ in runs):
-        return [data for _, data in sorted(runs, key=lambda run: run[0] or 0)]
-    whole = np.empty(shape, np.dtype(value.dtype))
-    for bounds, data in parts:
-        whole[tuple(slice(a, b) for a, b in bounds)] = data
-    return [whole]
 
 
 def model_files(model) -> dict:

@@ -397,18 +397,32 @@ def _h5_contents(path) -> dict:
     return contents
 
 
-def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path):
-    """The background `.weights.h5` writer creates the datasets with h5py
-    and writes their bytes itself (each device's part to its region): the
-    file holds what Keras's own `H5IOStore` writes from the same values,
-    for every layout of the parts (one run of bytes each, or not) and for
-    values h5py writes (bfloat16, scalars, empty)."""
+def _keras_h5(path, entries) -> dict:
+    """The file Keras's own `H5IOStore` writes of `entries`: its contents."""
+    from keras.src.saving.saving_lib import H5IOStore
+
+    store = H5IOStore(str(path), mode="w")
+    for entry_path, metadata, group in entries:
+        entry = store.make(entry_path, metadata=metadata)
+        for key, value in group.items():
+            entry[key] = np.asarray(value)
+    store.close()
+    return _h5_contents(path)
+
+
+def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatch):
+    """The background `.weights.h5` writer makes the file's structure with
+    h5py once and writes the arrays' bytes itself (each device's part to
+    its place): the file holds what Keras's own `H5IOStore` writes from the
+    same values, for every layout of the parts (runs of bytes, or not) and
+    every kind of value (bfloat16, integers, scalars, empty). The next file
+    of the same structure is written without h5py; another structure, or a
+    value left to h5py (a Python number, booleans), goes through h5py again."""
     import jax
     import ml_dtypes
     from jax.sharding import NamedSharding, PartitionSpec
-    from keras.src.saving.saving_lib import H5IOStore
 
-    from keras_dist._keras_compat._saving import Snapshot, write_snapshot
+    from keras_dist._keras_compat import _saving
 
     mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices())
     rng = np.random.default_rng(0)
@@ -419,34 +433,55 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path):
     def floats(*shape):
         return rng.standard_normal(shape).astype(np.float32)
 
-    values = {
-        "rows": on(floats(8, 6), "a"),  # 4 runs of bytes, each twice.
-        "rows_cols": on(floats(8, 6), "a", "b"),  # Not runs: the whole array.
-        "cols": on(floats(2, 8), None, ("a", "b")),  # Not runs either.
-        "one_row_each": on(floats(4, 1, 6), "a"),  # Runs (length-1 axes).
-        "replicated": on(floats(3, 5), None),
-        "ints": on(np.arange(32, dtype=np.int64).reshape(8, 4), "a"),
-        "host": floats(7, 3),
-        "scalar": np.float32(3.5),
-        "empty": np.zeros((0, 4), np.float32),
-        "bf16": floats(4, 4).astype(ml_dtypes.bfloat16),
-    }
-    entries = [
-        ("layers/dense", {"note": "metadata"}, dict(list(values.items())[:5])),
-        ("optimizer", None, dict(list(values.items())[5:])),
-        ("layers/unused", None, {}),
-    ]
-    ours = str(tmp_path / "ours.weights.h5")
-    write_snapshot(Snapshot(entries=[(p, m, dict(v)) for p, m, v in entries]), ours)
-    keras_own = str(tmp_path / "keras.weights.h5")
-    store = H5IOStore(keras_own, mode="w")
-    for path, metadata, group in entries:
-        entry = store.make(path, metadata=metadata)
-        for key, value in group.items():
-            entry[key] = np.asarray(value)
-    store.close()
-    assert _h5_contents(ours) == _h5_contents(keras_own)
-    assert "layers/dense/vars/rows" in _h5_contents(ours)
+    def entries(**changes):
+        values = {
+            "rows": on(floats(8, 6), "a"),  # 4 runs of bytes, each twice.
+            "rows_cols": on(floats(8, 6), "a", "b"),  # Not runs: assembled.
+            "cols": on(floats(2, 8), None, ("a", "b")),  # Not runs either.
+            "one_row_each": on(floats(4, 1, 6), "a"),  # Runs (length-1 axes).
+            "replicated": on(floats(3, 5), None),
+            "ints": on(rng.integers(0, 9, (8, 4)), "a"),
+            "host": floats(7, 3),
+            "scalar": np.float32(rng.standard_normal()),
+            "step": on(np.int64(rng.integers(100))),
+            "empty": np.zeros((0, 4), np.float32),
+            "bf16": floats(4, 4).astype(ml_dtypes.bfloat16),
+            **changes,
+        }
+        items = list(values.items())
+        return [
+            ("layers/dense", {"note": "metadata"}, dict(items[:5])),
+            ("optimizer", None, dict(items[5:])),
+            ("layers/unused", None, {}),
+        ]
+
+    made = []
+
+    class Counted(_saving.H5IOStore):
+        def __init__(self, *args, **kwargs):
+            made.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_saving, "H5IOStore", Counted)
+    monkeypatch.setattr(_saving, "_LAYOUTS", {})
+
+    def write(name, written):
+        path = str(tmp_path / f"{name}.weights.h5")
+        _saving.write_snapshot(_saving.Snapshot(entries=written), path)
+        assert _h5_contents(path) == _keras_h5(tmp_path / f"{name}.keras.h5", written)
+        return path
+
+    first = write("first", entries())
+    assert "layers/dense/vars/rows" in _h5_contents(first)
+    again = write("again", entries())  # New values, the same structure.
+    assert made == [first]
+    write("other", entries(rows=on(floats(16, 6), "a")))  # Another shape.
+    assert len(made) == 2
+    write("number", entries(count=7, mask=np.array([True, False])))
+    write("number_again", entries(count=7, mask=np.array([True, False])))
+    assert len(made) == 4
+    write("again_2", entries())
+    assert len(made) == 4 and os.path.getsize(again) == os.path.getsize(first)
 
 
 def test_backups_and_sharded_checkpoints_are_written_uncompressed(tmp_path):

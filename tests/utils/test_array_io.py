@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.utils._array_io import distinct_parts, run_start, write_buffers
+from keras_dist.utils._array_io import (
+    FileLayout,
+    distinct_parts,
+    run_start,
+    write_buffers,
+)
 
 
 def test_write_buffers_writes_every_byte_in_order(tmp_path):
@@ -66,3 +71,17 @@ def test_distinct_parts_once_each_and_on_the_host():
     assert [b for b, _ in replicated_parts] == [((0, 8), (0, 6))]
     np.testing.assert_array_equal(replicated_parts[0][1], value)
     assert host_parts == [(((0, 2), (0, 3)), host)]
+
+
+def test_a_file_layout_keeps_the_file_own_bytes_and_refuses_overlaps(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"HEAD" + bytes(8) + b"MID" + bytes(4) + b"TAIL")
+    layout = FileLayout.read(str(path), [(15, 4), (4, 8)])  # Not in file order.
+    assert layout.pieces == (b"HEAD", 1, b"MID", 0, b"TAIL")
+    first = np.array([1, 2, 3, 4], np.uint8)
+    second = np.arange(2, dtype=np.float32)  # 8 bytes.
+    out = tmp_path / "g.bin"
+    layout.write(str(out), [first, second], distinct_parts([first, second]))
+    assert out.read_bytes() == b"HEAD" + second.tobytes() + b"MID" + b"\1\2\3\4TAIL"
+    with pytest.raises(ValueError, match="array 0's bytes at 6 overlap"):
+        FileLayout.read(str(path), [(6, 4), (4, 8)])
