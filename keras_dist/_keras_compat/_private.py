@@ -111,6 +111,17 @@ PRIVATE_ATTRIBUTES: tuple = (
         ("_moments", "_reduction_axes"),
     ),
     ("jax._src.clusters", "ClusterEnv", ("_cluster_types",)),
+    # _saving makes `.weights.h5` datasets in H5IOStore's current group.
+    (
+        "keras.src.saving.saving_lib",
+        "H5IOStore",
+        (
+            "_h5_entry_initialized",
+            "_create_h5_group",
+            "_h5_entry_group",
+            "_h5_entry_path",
+        ),
+    ),
     # strategies/_host_memory.MemoryLayout sets Keras's cached sharding.
     ("keras.src.distribution.distribution_lib", "TensorLayout", ("_backend_layout",)),
     # callbacks/_model_checkpoint overrides `_save_model` and calls the others.
