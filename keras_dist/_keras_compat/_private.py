@@ -53,7 +53,7 @@ PRIVATE_IMPORTS: tuple = (
     ("jax._src", "xla_bridge"),  # cluster/_initialize
     ("tensorflow.python.data.experimental.ops", "distribute"),  # data/_auto_shard
     ("tensorflow.python.data.ops", "dataset_ops"),  # data/_tf_data
-    # _saving: Keras's own file writers, fed from a host snapshot.
+    # _saving, _weights_h5: Keras's own file writers, fed from a snapshot.
     *(
         ("keras.src.saving.saving_lib", name)
         for name in (
@@ -111,7 +111,7 @@ PRIVATE_ATTRIBUTES: tuple = (
         ("_moments", "_reduction_axes"),
     ),
     ("jax._src.clusters", "ClusterEnv", ("_cluster_types",)),
-    # _saving makes `.weights.h5` datasets in H5IOStore's current group.
+    # _weights_h5 makes `.weights.h5` datasets in H5IOStore's current group.
     (
         "keras.src.saving.saving_lib",
         "H5IOStore",

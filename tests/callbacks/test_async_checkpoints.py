@@ -422,7 +422,7 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatc
     import ml_dtypes
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from keras_dist._keras_compat import _saving
+    from keras_dist._keras_compat import _saving, _weights_h5
 
     mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices())
     rng = np.random.default_rng(0)
@@ -457,13 +457,13 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatc
 
     made = []
 
-    class Counted(_saving.H5IOStore):
+    class Counted(_weights_h5.H5IOStore):
         def __init__(self, *args, **kwargs):
             made.append(args[0])
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(_saving, "H5IOStore", Counted)
-    monkeypatch.setattr(_saving, "_LAYOUTS", {})
+    monkeypatch.setattr(_weights_h5, "H5IOStore", Counted)
+    monkeypatch.setattr(_weights_h5, "_LAYOUTS", {})
 
     def write(name, written):
         path = str(tmp_path / f"{name}.weights.h5")
