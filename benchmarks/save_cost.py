@@ -27,7 +27,8 @@ process's CPU time (every thread), wall time and minor page faults.
     python benchmarks/save_cost.py --layouts fsdp --repeats 8
     python benchmarks/save_cost.py --no-gc-pause    # Orbax's writes as before
 
-Each part then runs `--repeats` times more on a background thread, as an
+Each part then runs `--stall-repeats` times more (default: `--repeats`)
+on a background thread, as an
 asynchronous save's writer does, while the main thread runs Python without
 pause, as a training loop that dispatches short steps does (a GPU's or
 TPU's host-bound loop): "training thread stalled" is the time that thread
@@ -78,6 +79,12 @@ def _parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layouts", default="fsdp,mirrored")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--stall-repeats",
+        type=int,
+        default=None,
+        help="runs of each part beside a Python-bound thread (default: --repeats)",
+    )
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument(
         "--fit-steps",
@@ -345,7 +352,8 @@ def main():
                         )
                     )
                 later = samples[1:] or samples
-                stalls = [_stall(parts[name]) for _ in range(args.repeats)]
+                stall_repeats = args.stall_repeats or args.repeats
+                stalls = [_stall(parts[name]) for _ in range(stall_repeats)]
                 row = {
                     "layout": layout,
                     "part": name,
@@ -381,6 +389,7 @@ def main():
         "machine": machine("cpu", len(jax.devices())),
         "python": platform.python_version(),
         "repeats": args.repeats,
+        "stall_repeats": args.stall_repeats or args.repeats,
         "gc_pause": not args.no_gc_pause,
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "rows": rows,
@@ -399,7 +408,8 @@ def markdown(payload: dict) -> str:
         "warming). CPU: the process's, every thread. Training thread "
         "stalled: the part run on a background thread beside a thread "
         "running Python without pause (a host-bound training loop), the "
-        f"median over {payload['repeats']} runs of the time that thread did "
+        f"median over {payload.get('stall_repeats', payload['repeats'])} runs "
+        "of the time that thread did "
         "not run (waiting for the GIL or a core); longest: its longest "
         "single stall. Garbage collector: "
         "the mean of its CPU time and collections in a call (the Orbax "

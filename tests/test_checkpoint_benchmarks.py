@@ -35,12 +35,14 @@ def test_checkpointing_benchmark_measures_each_configuration(tmp_path):
 
 
 def test_save_cost_benchmark_times_each_part_and_counts_collections(tmp_path):
-    args = ["--layouts", "fsdp", "--repeats", "2", "--fit-steps", "6"]
+    args = ["--layouts", "fsdp", "--repeats", "2", "--stall-repeats", "1"]
+    args += ["--fit-steps", "6"]
     out = _run(
         ["benchmarks/save_cost.py", *args, "--width", "64", "--out", str(tmp_path)]
     )
     payload = json.loads((tmp_path / "save_cost.json").read_text())
     assert payload["gc_pause"] is True and payload["repeats"] == 2
+    assert payload["stall_repeats"] == 1
     parts = [row["part"] for row in payload["rows"]]
     assert parts == [
         *("freeze", "raw_bytes", "backup", "backup_orbax"),
