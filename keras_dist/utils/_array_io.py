@@ -102,10 +102,14 @@ def write_buffers(fd: int, buffers: Sequence, offset: int | None = None) -> int:
     total, first = 0, 0
     while first < len(views):
         batch = views[first : first + _IOV_MAX]
+        if not hasattr(os, "pwritev"):  # (Windows): one buffer a call.
+            batch = batch[:1]
         if offset is None:
-            written = os.writev(fd, batch)
-        else:
+            written = os.writev(fd, batch) if len(batch) > 1 else os.write(fd, batch[0])
+        elif len(batch) > 1:
             written = os.pwritev(fd, batch, offset + total)
+        else:
+            written = os.pwrite(fd, batch[0], offset + total)
         total += written
         while first < len(views) and written >= views[first].nbytes:
             written -= views[first].nbytes
