@@ -4,10 +4,18 @@ Builds the MLP of `checkpointing.py` (Adam state: ~100 MB) under
 MirroredStrategy(shard_variables=True) (`fsdp`) or MirroredStrategy
 (`mirrored`) on 8 virtual CPU devices, takes one optimizer step, then times
 each part of a save `--repeats` times with no training beside it: the
-process's CPU time (every thread), wall time and minor page faults.
+process's CPU time (every thread), wall time and minor page faults, and
+the whole machine's busy CPU time (`/proc/stat`, Linux): the kernel's work
+for the write that runs in its own threads (page-cache writeback), which no
+process's CPU time counts.
 
     freeze        keras_dist's freeze of the state (a copy on the devices)
     raw_bytes     the frozen arrays' parts written to one file (the floor)
+    data_file_buffered  those parts written as a backup's data file is,
+                  through the page cache, then fsynced (a new file each
+                  time, the last two kept, as backups are)
+    data_file_direct    the same with direct I/O (`O_DIRECT`, a 16 MB
+                  staging buffer), as keras_dist writes data files
     backup        kd.callbacks.BackupAndRestore's synchronous write (one
                   process: Orbax's CheckpointManager around keras_dist's
                   raw-parts handler, `callbacks/_raw_arrays.py`)
@@ -66,6 +74,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 PARTS = [
     "freeze",
     "raw_bytes",
+    "data_file_buffered",
+    "data_file_direct",
     "backup",
     "backup_orbax",
     "backup_orbax_defaults",
@@ -167,9 +177,17 @@ def _stall(part) -> tuple[float, float]:
     return 1000 * (wall - cpu), 1000 * longest
 
 
-def _usage() -> tuple[float, int]:
+def _usage() -> tuple[float, int, float]:
+    """The process's CPU seconds, its minor page faults and the machine's
+    busy CPU seconds (NaN without `/proc/stat`)."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime, r.ru_minflt
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(t) for t in f.readline().split()[1:]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    return r.ru_utime + r.ru_stime, r.ru_minflt, busy
 
 
 def _model(layout: str, width: int = 1024):
@@ -216,6 +234,20 @@ def _parts(model, directory: str) -> dict:
             for a in frozen:
                 for shard in a.addressable_shards:
                     f.write(memoryview(np.ascontiguousarray(shard.data)))
+
+    from keras_dist.utils._array_io import distinct_parts, write_file
+
+    def data_file(direct: bool):
+        files: list = []
+
+        def write():
+            files.append(os.path.join(directory, f"data{next(count)}.bin"))
+            buffers = [d for parts in distinct_parts(frozen) for _, d in parts]
+            write_file(files[-1], buffers, direct=direct)
+            while len(files) > 2:
+                os.remove(files.pop(0))
+
+        return write
 
     def backup():
         store.save(model, next(count), {})
@@ -264,6 +296,8 @@ def _parts(model, directory: str) -> dict:
     return {
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
+        "data_file_buffered": data_file(direct=False),
+        "data_file_direct": data_file(direct=True),
         "backup": backup,
         "backup_orbax": orbax_write(
             "orbax", type_handler_registry=backup_type_handlers()
@@ -337,11 +371,11 @@ def main():
             for name in PARTS:
                 samples = []
                 for _ in range(args.repeats):
-                    (cpu, faults), start = _usage(), time.perf_counter()
+                    (cpu, faults, busy), start = _usage(), time.perf_counter()
                     gc_s, gc_n = collections.seconds, collections.count
                     parts[name]()
                     wall = time.perf_counter() - start
-                    cpu2, faults2 = _usage()
+                    cpu2, faults2, busy2 = _usage()
                     samples.append(
                         (
                             1000 * (cpu2 - cpu),
@@ -349,6 +383,7 @@ def main():
                             faults2 - faults,
                             1000 * (collections.seconds - gc_s),
                             collections.count - gc_n,
+                            1000 * (busy2 - busy),
                         )
                     )
                 later = samples[1:] or samples
@@ -361,6 +396,7 @@ def main():
                     "cpu_ms": statistics.median(s[0] for s in later),
                     "wall_ms": statistics.median(s[1] for s in later),
                     "faults": statistics.median(s[2] for s in later),
+                    "machine_cpu_ms": statistics.median(s[5] for s in later),
                     "gc_ms": statistics.mean(s[3] for s in later),
                     "collections": statistics.mean(s[4] for s in later),
                     "first_cpu_ms": samples[0][0],
@@ -405,7 +441,9 @@ def markdown(payload: dict) -> str:
         f"(`python benchmarks/{payload['command']}`): each part of a save "
         "timed alone, no training beside it; the median of "
         f"{payload['repeats'] - 1} repeats after a first (compiling, "
-        "warming). CPU: the process's, every thread. Training thread "
+        "warming). CPU: the process's, every thread; machine CPU: the "
+        "whole machine's busy time (`/proc/stat`, 10-ms ticks), the kernel's "
+        "writeback threads included. Training thread "
         "stalled: the part run on a background thread beside a thread "
         "running Python without pause (a host-bound training loop), the "
         f"median over {payload.get('stall_repeats', payload['repeats'])} runs "
@@ -417,15 +455,16 @@ def markdown(payload: dict) -> str:
         + ("paused" if payload.get("gc_pause", True) else "running")
         + ").",
         "",
-        "| layout | part | state MB | CPU ms | CPU ms per MB | wall ms | "
-        "minor page faults | garbage collector ms | collections | first "
-        "call CPU ms | training thread stalled ms | longest stall ms |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| layout | part | state MB | CPU ms | CPU ms per MB | machine CPU ms "
+        "| wall ms | minor page faults | garbage collector ms | collections "
+        "| first call CPU ms | training thread stalled ms | longest stall ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         out.append(
             f"| {r['layout']} | {r['part']} | {r['state_mb']:.0f} | "
-            f"{r['cpu_ms']:.0f} | {r['cpu_ms_per_mb']:.2f} | {r['wall_ms']:.0f} | "
+            f"{r['cpu_ms']:.0f} | {r['cpu_ms_per_mb']:.2f} | "
+            f"{r.get('machine_cpu_ms', float('nan')):.0f} | {r['wall_ms']:.0f} | "
             f"{r['faults']:.0f} | {r['gc_ms']:.1f} | {r['collections']:.1f} | "
             f"{r['first_cpu_ms']:.0f} | {r.get('stall_ms', float('nan')):.0f} | "
             f"{r.get('longest_stall_ms', float('nan')):.1f} |"

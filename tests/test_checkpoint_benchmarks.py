@@ -45,12 +45,14 @@ def test_save_cost_benchmark_times_each_part_and_counts_collections(tmp_path):
     assert payload["stall_repeats"] == 1
     parts = [row["part"] for row in payload["rows"]]
     assert parts == [
-        *("freeze", "raw_bytes", "backup", "backup_orbax"),
+        *("freeze", "raw_bytes", "data_file_buffered", "data_file_direct"),
+        *("backup", "backup_orbax"),
         *("backup_orbax_defaults", "backup_no_ocdbt", "weights_h5"),
         "weights_h5_background",
     ]
     for row in payload["rows"]:
         assert row["cpu_ms"] > 0 and row["wall_ms"] > 0, row
+        assert row["machine_cpu_ms"] >= 0, row  # Linux: /proc/stat.
         assert row["stall_ms"] > -1 and row["longest_stall_ms"] > 0, row
         assert len(row["samples"]) == 2
     fit = payload["fit_collections"]

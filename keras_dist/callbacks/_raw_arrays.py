@@ -11,7 +11,8 @@ ones; this handler only writes the item's files inside that directory:
     index.json    per array: its shape, its dtype and each part's
                   [start, stop) per axis, offset and length in arrays.bin
 
-Both files are flushed and fsynced before Orbax commits. Writing costs about
+Both files are flushed and fsynced before Orbax commits (the data file
+written with direct I/O where the system has it: `write_file`). Writing costs about
 1.4-1.8x the bytes' own write (`benchmarks/save_cost.py`, 96 MB: 64-82 ms of
 CPU with Orbax's step management; Orbax's array format 152-293 ms), which the
 training thread's loop shares the host with while a save runs in the
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist.utils._array_io import distinct_parts, index_bounds, write_buffers
+from keras_dist.utils._array_io import distinct_parts, index_bounds, write_file
 
 __all__ = ["handler", "read", "restore_args", "save_args", "write"]
 
@@ -63,14 +64,7 @@ def write(path: str, tree: dict) -> None:
                 }
             )
         index["groups"][group] = entries
-    fd = os.open(
-        os.path.join(path, _DATA), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
-    )
-    try:
-        write_buffers(fd, buffers)  # A few calls, not one per part.
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file(os.path.join(path, _DATA), buffers)  # Few calls; on disk.
     with open(os.path.join(path, _INDEX), "w") as f:
         json.dump(index, f)
         f.flush()

@@ -1,5 +1,7 @@
 """The checkpoint writers' vectored writes and array parts (`utils/_array_io.py`)."""
 
+import errno
+import mmap
 import os
 
 import jax
@@ -7,12 +9,124 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_dist.utils import _array_io
 from keras_dist.utils._array_io import (
     FileLayout,
     distinct_parts,
     run_start,
     write_buffers,
+    write_file,
 )
+
+
+def _direct_io_works(directory) -> bool:
+    """Whether the file system of `directory` takes a direct write."""
+    path = os.path.join(directory, "probe")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return False
+    try:
+        os.pwrite(fd, mmap.mmap(-1, 4096), 0)
+        return hasattr(os, "O_DIRECT")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def _odd_buffers(seed: int, count: int) -> list:
+    rng = np.random.default_rng(seed)
+    buffers = [
+        rng.integers(0, 255, int(n), dtype=np.uint8)
+        for n in rng.integers(0, 9000, count)
+    ]
+    buffers.append(np.arange(40.0).reshape(5, 8)[:, ::3])  # Not contiguous.
+    buffers.append(np.zeros(0, np.float32))
+    return buffers
+
+
+@pytest.mark.parametrize("staging", [4096, 3 * 4096])
+def test_write_file_direct_through_a_bounded_staging_buffer(
+    tmp_path, monkeypatch, staging
+):
+    """Buffers of every size crossing the staging buffer's edges, a total
+    that is no multiple of the block: the file holds exactly their bytes
+    (no padding left), written direct where the file system takes it;
+    an existing longer file is replaced whole."""
+    monkeypatch.setattr(_array_io, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(_array_io, "_STAGING_BYTES", staging)
+    buffers = _odd_buffers(1, 30)
+    expected = b"".join(np.ascontiguousarray(b).tobytes() for b in buffers)
+    assert len(expected) % 4096 and len(expected) > 4 * staging
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * (len(expected) + 10_000))
+    assert write_file(str(path), buffers) is _direct_io_works(tmp_path)
+    assert path.read_bytes() == expected
+    # A file of exactly whole staging buffers, and an empty one.
+    whole = np.arange(2 * staging, dtype=np.uint8)
+    write_file(str(path), [whole[:100], whole[100:]], sync=False)
+    assert path.read_bytes() == whole.tobytes()
+    assert write_file(str(path), []) is False  # Under the minimum: buffered.
+    assert path.read_bytes() == b""
+
+
+@pytest.mark.parametrize("refused_at", ["open", "first write", "no O_DIRECT"])
+def test_write_file_buffered_where_direct_io_is_refused(
+    tmp_path, monkeypatch, refused_at
+):
+    """File systems without direct I/O refuse it at `open` (older tmpfs) or
+    at the first write (some FUSE and network file systems), with EINVAL;
+    some systems have no `O_DIRECT` (macOS, Windows). Faked here (this
+    box's file systems take it): the file is written buffered, whole."""
+    monkeypatch.setattr(_array_io, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(_array_io, "_STAGING_BYTES", 4096)
+    real_open, real_pwrite = os.open, os.pwrite
+    direct = getattr(os, "O_DIRECT", 0)
+    if refused_at == "no O_DIRECT":
+        monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    elif refused_at == "open":
+
+        def refusing_open(path, flags, *args):
+            if flags & direct:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", refusing_open)
+    else:
+        import fcntl
+
+        def refusing_pwrite(fd, data, offset):
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & direct:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_pwrite(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    buffers = _odd_buffers(2, 12)
+    expected = b"".join(np.ascontiguousarray(b).tobytes() for b in buffers)
+    path = tmp_path / "f.bin"
+    assert write_file(str(path), buffers) is False
+    assert path.read_bytes() == expected
+
+
+def test_write_file_raises_a_write_error_after_the_first_block(tmp_path, monkeypatch):
+    """Only a refusal of the first write means "no direct I/O here": a
+    failure later (a disk full mid-file) raises, not rewritten buffered."""
+    monkeypatch.setattr(_array_io, "DIRECT_MIN_BYTES", 1)
+    monkeypatch.setattr(_array_io, "_STAGING_BYTES", 4096)
+    if not _direct_io_works(tmp_path):
+        pytest.skip("this file system takes no direct writes")
+    real_pwrite = os.pwrite
+
+    def full_disk(fd, data, offset):
+        if offset >= 8192:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_file(str(tmp_path / "f.bin"), _odd_buffers(3, 12))
 
 
 @pytest.mark.parametrize("vectored", [True, False])
