@@ -484,6 +484,72 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatc
     assert len(made) == 4 and os.path.getsize(again) == os.path.getsize(first)
 
 
+class _OwnSaving(keras.optimizers.SGD):
+    """An optimizer that saves its state its own way (a user's subclass)."""
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        store["note"] = np.array([1.0, 2.0])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "loss_scale", "own_saving"])
+def test_the_saving_walk_copies_no_optimizer_state_to_the_host(
+    tmp_path, monkeypatch, optimizer
+):
+    """Keras's optimizer saves `variable.numpy()`, a host copy of its whole
+    state waiting for the step computing it; ModelCheckpoint's walk records
+    the variables instead (to freeze them on their devices), for Keras's
+    optimizers and a wrapped inner one, and leaves nothing on them. An
+    optimizer with its own `save_own_variables` is called as it is. The
+    file is the one `save_weights` writes."""
+    from keras_dist._keras_compat import _saving
+
+    chosen = {
+        "adam": lambda: keras.optimizers.Adam(),
+        "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.Adam()
+        ),
+        "own_saving": lambda: _OwnSaving(momentum=0.9),
+    }[optimizer]
+    with _fsdp().scope():
+        model = make_model()
+        model.set_weights(WEIGHTS)
+        compile_model(model, chosen())
+    model.fit(X, Y, batch_size=16, epochs=1, verbose=0)
+    opt = model.optimizer
+    copied = []
+    numpy = keras.Variable.numpy
+
+    def counted(variable):
+        copied.append(variable.path)
+        return numpy(variable)
+
+    monkeypatch.setattr(keras.Variable, "numpy", counted)
+    recorded = _saving.record(model, with_config=False)
+    monkeypatch.setattr(keras.Variable, "numpy", numpy)
+    optimizers = [opt, getattr(opt, "inner_optimizer", None)]
+    assert all("save_own_variables" not in vars(o) for o in optimizers if o is not None)
+    stored = [
+        v
+        for path, _, group in recorded.entries
+        if path.startswith("optimizer")
+        for v in group.values()
+    ]
+    if optimizer == "own_saving":
+        assert len(copied) == len(opt.variables)  # Its own way, as before.
+        assert not _saving.reusable(recorded)  # The note is no variable.
+    else:
+        assert copied == []
+        assert len(stored) >= len(opt.variables) and _saving.reusable(recorded)
+        assert {id(v) for v in stored} <= {id(v) for v in opt.variables}
+    path = str(tmp_path / "walk.weights.h5")
+    _saving.write_snapshot(
+        _saving.snapshot(model, with_config=False, recorded=recorded), path
+    )
+    model.save_weights(str(tmp_path / "keras.weights.h5"))
+    assert _h5_contents(path) == _h5_contents(tmp_path / "keras.weights.h5")
+
+
 def test_backups_and_sharded_checkpoints_are_written_uncompressed(tmp_path):
     """They hold the state's raw bytes, as `.weights.h5` does: zstd saves
     ~9% of a trained float state's bytes and more than doubles a write's
