@@ -152,11 +152,12 @@ def write_file(
     """
     total = sum(int(np.asarray(b).nbytes) for b in buffers)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    o_direct: int = getattr(os, "O_DIRECT", 0)  # (Linux's.)
     if direct is None:
         direct = total >= DIRECT_MIN_BYTES
-    if direct and getattr(os, "O_DIRECT", 0):
+    if direct and o_direct:
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o644)
+            fd = os.open(path, flags | o_direct, 0o644)
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
