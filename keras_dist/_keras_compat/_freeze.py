@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from jax.experimental import multihost_utils
 
-__all__ = ["freeze"]
+__all__ = ["freeze", "prepare"]
 
 
 def _room_on_devices(values: list) -> bool:
@@ -115,6 +115,28 @@ def freeze(
     those gathers: it writes nothing), the values on this process are not
     copied.
     """
+    values, out, replicated, groups = _plan(values, to_host_arrays, copy_local)
+    if not copy_local:
+        return out
+    for _, copied, members in groups:
+        group = [values[i] for i in members]
+        copies = _copy(group) if copied else _to_numpy(group)
+        for i, copy in zip(members, copies, strict=True):
+            out[i] = copy
+    if not to_host_arrays:  # Global arrays again (what Orbax writes).
+        for i, v in replicated.items():
+            if isinstance(out[i], jax.Array):
+                out[i] = _replicated_on_first_devices(v, out[i])
+    for i, v in enumerate(values):
+        if not isinstance(v, jax.Array):
+            out[i] = np.asarray(keras.ops.convert_to_numpy(v))
+    return out
+
+
+def _plan(values: list, to_host_arrays: bool, copy_local: bool) -> tuple:
+    """`freeze`'s plan: the values to copy (a replicated value's first
+    replica), the output so far (gathered values), the replicated values,
+    and the groups to copy: `(on_device, copied on the devices, members)`."""
     values = [v.value if isinstance(v, keras.Variable) else v for v in values]
     out = list(values)
     # A replicated value is frozen once per process, not once per device:
@@ -135,15 +157,16 @@ def freeze(
         if isinstance(v, jax.Array) and not isinstance(out[i], np.ndarray)
     ]
     if not copy_local:
-        return out
+        return values, out, replicated, []
     # One compiled copy per set of devices (a program runs on one set);
     # values kept in host memory (CentralStorageStrategy) go to NumPy.
-    groups: dict = {}
+    by_devices: dict = {}
     for i in arrays:
         on_device = _in_device_memory(values[i])
         key = (frozenset(d.id for d in values[i].sharding.device_set), on_device)
-        groups.setdefault(key, []).append(i)
-    for (_, on_device), members in groups.items():
+        by_devices.setdefault(key, []).append(i)
+    groups = []
+    for (_, on_device), members in by_devices.items():
         group = [values[i] for i in members]
         # Values spanning processes: every process must take the same road.
         # (A replicated value's copy is one of a global array's parts.)
@@ -152,17 +175,23 @@ def freeze(
             for i in members
             if i in replicated and not to_host_arrays
         )
-        if on_device and (spans or _room_on_devices(group)):
-            copies = _copy(group)
-        else:
-            copies = _to_numpy(group)
-        for i, copy in zip(members, copies, strict=True):
-            out[i] = copy
-    if not to_host_arrays:  # Global arrays again (what Orbax writes).
-        for i, v in replicated.items():
-            if isinstance(out[i], jax.Array):
-                out[i] = _replicated_on_first_devices(v, out[i])
-    for i, v in enumerate(values):
-        if not isinstance(v, jax.Array):
-            out[i] = np.asarray(keras.ops.convert_to_numpy(v))
-    return out
+        copied = on_device and (spans or _room_on_devices(group))
+        groups.append((on_device, copied, members))
+    return values, out, replicated, groups
+
+
+def prepare(values: list, *, to_host_arrays: bool = False) -> None:
+    """Compiles the copies `freeze(values, to_host_arrays=...)` dispatches,
+    copying nothing: when `fit` begins, so that the first save does not
+    compile them on the training thread (1.5 s on 8 CPU devices for an MLP's
+    56 arrays, 973 MB). Values with parts on other processes are left to
+    the save (their gathers are collectives)."""
+    if any(
+        isinstance(v, jax.Array) and not v.is_fully_addressable
+        for v in (x.value if isinstance(x, keras.Variable) else x for x in values)
+    ):
+        return
+    values, _, _, groups = _plan(values, to_host_arrays, copy_local=True)
+    for _, copied, members in groups:
+        if copied:
+            _copy.lower([values[i] for i in members]).compile()

@@ -46,13 +46,14 @@ from keras.src.saving.saving_lib import (
     _write_to_zip_recursively,
 )
 
-from keras_dist._keras_compat._freeze import freeze
+from keras_dist._keras_compat._freeze import freeze, prepare
 from keras_dist._keras_compat._weights_h5 import write_weights_h5
 
 __all__ = [
     "Snapshot",
     "model_files",
     "orbax_payload",
+    "prepare_snapshot",
     "record",
     "reusable",
     "snapshot",
@@ -272,6 +273,11 @@ def snapshot(
         assets_dir=recorded.assets_dir,
         nbytes=sum(int(v.nbytes) for v in frozen),
     )
+
+
+def prepare_snapshot(recorded: Snapshot) -> None:
+    """Compiles the copies `snapshot(..., recorded=recorded)` dispatches."""
+    prepare(recorded.values(), to_host_arrays=True)
 
 
 def _replay(snap: Snapshot, store) -> None:

@@ -133,6 +133,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         call = _call.active()
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         self._restore(call)
+        self._store.prepare(self.model)  # Not at the first save.
         self._global_step = step_counter(self.model.optimizer)
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step

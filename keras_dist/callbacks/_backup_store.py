@@ -6,7 +6,7 @@ import warnings
 import jax
 import numpy as np
 
-from keras_dist._keras_compat._freeze import freeze
+from keras_dist._keras_compat._freeze import freeze, prepare
 from keras_dist.callbacks import _raw_arrays
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import (
@@ -102,6 +102,12 @@ class BackupStore:
             },
         )
         without_preemption_queries(self._manager)
+
+    def prepare(self, model) -> None:
+        """Compiles an asynchronous save's copy of `model`'s state now (when
+        `fit` begins), not on the training thread at the first save."""
+        if self._writer is not None:
+            prepare([v.value for vs in variable_groups(model).values() for v in vs])
 
     def save(self, model, number: int, meta: dict) -> None:
         groups = variable_groups(model)

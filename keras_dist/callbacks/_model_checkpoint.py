@@ -15,6 +15,7 @@ from keras_dist._checks import check_int
 from keras_dist._keras_compat import step_counter, sync_state
 from keras_dist._keras_compat._saving import (
     Snapshot,
+    prepare_snapshot,
     record,
     reusable,
     snapshot,
@@ -203,6 +204,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
                     self._sharded.prepare(self.model)
         self._last_save = time.monotonic()
         self._recorded = None  # Keras's saving walk, kept while it is reusable.
+        self._prepare_background_saves()
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
         self._step_end.start(
@@ -324,6 +326,21 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         Keras's `OrbaxCheckpoint` counts batches). It equals the optimizer's
         count unless a loss-scaling optimizer skipped steps."""
         return self._step_end.step(self._step_end.last if batch is None else batch)
+
+    def _prepare_background_saves(self) -> None:
+        """Keras's saving walk and the compile of a save's copies, now (when
+        `fit` begins, the model and optimizer built), not on the training
+        thread at the first save."""
+        optimizer = getattr(self.model, "optimizer", None)
+        built = self.model.built and (optimizer is None or optimizer.built)
+        if not (self.async_save and not self.sharded and built):
+            return
+        # Every process, as a save walks (the walk may create variables).
+        with plain_learning_rate(self.model):
+            walk = record(self.model, with_config=False)
+        prepare_snapshot(walk)
+        if self.save_weights_only and reusable(walk):
+            self._recorded = walk
 
     def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
         """The state to host memory here; the file written on the writer thread."""
