@@ -165,11 +165,13 @@ def _stall(part) -> tuple[float, float]:
     longest, cpu, start = 0.0, time.thread_time(), time.perf_counter()
     last = start
     thread.start()
-    while not done.is_set():
+    while True:  # At least one interval, however fast the part.
         for _ in range(100):  # ~2 us of Python between clock reads.
             pass
         now = time.perf_counter()
         longest, last = max(longest, now - last), now
+        if done.is_set():
+            break
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
     thread.join()
     if errors:
