@@ -378,6 +378,31 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     np.testing.assert_array_equal(np.asarray(on_host), np.zeros((4, 8)))
 
 
+def test_a_save_copy_is_not_run_inline_on_the_training_thread():
+    """XLA:CPU runs a program it estimates under 1000 flops inline, on the
+    calling thread, when its inputs are ready (`cheap_computation_` in its
+    PjRt client). A copy simplified to plain copies costs no flops: a save
+    then waited for the whole copy (56 ms of a 96 MB replica). The copy's
+    adds must stay in the compiled program, and copy exactly."""
+    import jax
+
+    from keras_dist._keras_compat._freeze import _copy
+
+    device = jax.devices()[0]
+    group = [
+        jax.device_put(np.arange(4096, dtype=np.float32), device),
+        jax.device_put(np.arange(-5, 1995, dtype=np.int32), device),
+        jax.device_put(np.arange(3000) % 3 == 0, device),
+    ]
+    flops = _copy.lower(group).compile().cost_analysis().get("flops", 0.0)
+    assert flops >= 1000, flops
+    copies = _copy(group)
+    for copy, value in zip(copies, group, strict=True):
+        assert copy.dtype == value.dtype
+        assert copy.unsafe_buffer_pointer() != value.unsafe_buffer_pointer()
+        np.testing.assert_array_equal(copy, value)
+
+
 def _h5_contents(path) -> dict:
     """Every dataset of an HDF5 file: name -> (dtype, shape, bytes, attrs)."""
     import h5py
