@@ -8,6 +8,8 @@ once per process, on its first device. The writers (Keras's files in
 `_saving.py`, Orbax's in `callbacks/`) then read the copies on any thread.
 """
 
+import functools
+import math
 from typing import Any
 
 import jax
@@ -25,17 +27,38 @@ def _room_on_devices(values: list) -> bool:
 
     Devices that report no memory statistics (CPU) are taken to have room.
     """
-    need: dict = {}
+    limits: dict = {}
     for v in values:
-        for shard in v.addressable_shards:
-            need[shard.device] = need.get(shard.device, 0) + shard.data.nbytes
-    for device, nbytes in need.items():
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if stats and "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            if nbytes > 0.9 * free:
-                return False
-    return True
+        for device in _addressable_devices(v.sharding):
+            if device not in limits:
+                stats = (
+                    device.memory_stats() if hasattr(device, "memory_stats") else None
+                )
+                limits[device] = (
+                    stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+                    if stats and "bytes_limit" in stats
+                    else None
+                )
+    if all(free is None for free in limits.values()):
+        return True
+    need = dict.fromkeys(limits, 0)
+    for v in values:
+        part = _part_nbytes(v.sharding, v.shape, v.dtype)
+        for device in _addressable_devices(v.sharding):
+            need[device] += part
+    return all(
+        free is None or need[device] <= 0.9 * free for device, free in limits.items()
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _addressable_devices(sharding: jax.sharding.Sharding) -> tuple:
+    return tuple(sharding.addressable_devices)
+
+
+def _part_nbytes(sharding: jax.sharding.Sharding, shape: tuple, dtype: Any) -> int:
+    """Bytes of one device's part of a value of `shape` laid out by `sharding`."""
+    return math.prod(sharding.shard_shape(shape)) * np.dtype(dtype).itemsize
 
 
 def _to_numpy(arrays: list) -> list:
@@ -55,21 +78,40 @@ def _in_device_memory(a: jax.Array) -> bool:
     return getattr(a.sharding, "memory_kind", None) in (None, "device")
 
 
-def _first_devices(a: jax.Array) -> list:
+def _first_devices(a: jax.Array) -> tuple:
     """Each process's first device (by id) among those holding `a`: the same
     list on every process."""
-    devices: list[Any] = list(a.sharding.device_set)
+    return _first_devices_of(a.sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_devices_of(sharding: jax.sharding.Sharding) -> tuple:
+    devices: list[Any] = list(sharding.device_set)
     first: dict = {}
     for d in sorted(devices, key=lambda d: d.id):
         first.setdefault(d.process_index, d)
-    return [first[p] for p in sorted(first)]
+    return tuple(first[p] for p in sorted(first))
+
+
+# A sharding -> the index, in a replicated value's addressable parts, of its
+# part on this process's first device (JAX keeps parts in the sharding's
+# device order): looked up once, not in each save's 8 x values parts.
+_FIRST_REPLICA_INDEX: dict = {}
 
 
 def _first_replica(a: jax.Array) -> jax.Array:
     """`a`'s replica on this process's first device (no copy, no wait)."""
-    here = jax.process_index()
-    device = next(d for d in _first_devices(a) if d.process_index == here)
-    return next(s.data for s in a.addressable_shards if s.device == device)
+    index = _FIRST_REPLICA_INDEX.get(a.sharding)
+    if index is None:
+        here = jax.process_index()
+        device = next(d for d in _first_devices(a) if d.process_index == here)
+        index = [s.device for s in a.addressable_shards].index(device)
+        if len(_FIRST_REPLICA_INDEX) >= 1024:
+            _FIRST_REPLICA_INDEX.clear()
+        _FIRST_REPLICA_INDEX[a.sharding] = index
+    if index == 0:
+        return a.addressable_data(0)  # A replicated value's first part.
+    return a.addressable_shards[index].data
 
 
 def _replicated_on_first_devices(a: jax.Array, local: jax.Array) -> jax.Array:

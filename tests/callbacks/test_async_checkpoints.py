@@ -403,6 +403,45 @@ def test_a_save_copy_is_not_run_inline_on_the_training_thread():
         np.testing.assert_array_equal(copy, value)
 
 
+def test_a_save_copies_on_the_devices_only_where_they_have_room():
+    """Devices that report a memory limit (GPU, TPU: faked here, this box
+    has none) get a save's copy only if each device's parts fit in 90% of
+    its free memory; otherwise the save copies to the host. CPU devices
+    report no limit: always room."""
+    import jax
+
+    from keras_dist._keras_compat._freeze import _room_on_devices
+
+    class Device:
+        def __init__(self, limit, in_use):
+            self.limit, self.in_use = limit, in_use
+
+        def memory_stats(self):
+            return {"bytes_limit": self.limit, "bytes_in_use": self.in_use}
+
+    class Split:  # A (2, n) float32 value split in rows over two devices.
+        def __init__(self, devices, shape):
+            self.addressable_devices = devices
+            self.shape = shape
+            self.dtype = np.float32
+
+        def shard_shape(self, shape):
+            return (shape[0] // 2, *shape[1:])
+
+    class Value:
+        def __init__(self, sharding):
+            self.sharding, self.shape, self.dtype = sharding, sharding.shape, "f4"
+
+    roomy, tight = Device(10_000, 0), Device(10_000, 7_000)  # free: 10k, 3k
+    small = Value(Split((roomy, tight), (2, 600)))  # 2400 bytes a device
+    large = Value(Split((roomy, tight), (2, 800)))  # 3200 bytes a device
+    assert _room_on_devices([small])
+    assert not _room_on_devices([large])  # 3200 > 0.9 * 3000 on `tight`
+    assert not _room_on_devices([small, Value(Split((tight, roomy), (2, 100)))])
+    on_cpu = jax.device_put(np.zeros((2, 800), np.float32), jax.devices()[0])
+    assert _room_on_devices([on_cpu])
+
+
 def _h5_contents(path) -> dict:
     """Every dataset of an HDF5 file: name -> (dtype, shape, bytes, attrs)."""
     import h5py
