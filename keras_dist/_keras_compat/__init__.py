@@ -81,6 +81,12 @@ API cannot express are done here, on Keras's JAX trainer
     between steps is stored untracked, and batch callbacks that no callback
     overrides are not dispatched.
 
+12. **Layouts that fit any shape** (`_layouts.py`): a layout handed to
+    `keras.distribution.distribute_tensor` under a strategy (a `layout_map`
+    rule for layer outputs, which `get_tensor_layout` gives by path alone)
+    is fitted to the tensor's shape: a dimension its mesh axes do not divide
+    stays whole instead of raising eagerly.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -103,6 +109,7 @@ from keras_dist._keras_compat._adapters import tf_dataset_adapter_init
 from keras_dist._keras_compat._host_values import _array
 from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
 from keras_dist._keras_compat._jax_seams import find as _find
+from keras_dist._keras_compat._layouts import distribute_tensor
 from keras_dist._keras_compat._loop import (
     BATCH_HOOKS,
     _batch_hook,
@@ -208,6 +215,7 @@ _SEAMS: tuple = (
         tf_dataset_adapter_init,
     ),
     ("keras.src.layers.layer", "Layer.__setattr__", _layer_setattr),
+    ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
     *(
         ("keras.src.callbacks.callback_list", f"CallbackList.{name}", _batch_hook(name))
         for name in BATCH_HOOKS

@@ -232,6 +232,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "Variable.__array__": ("self", "dtype"),
     "TFDatasetAdapter.__init__": ("self", "dataset", "class_weight", "distribution"),
     "Layer.__setattr__": ("self", "name", "value"),
+    "distribute_tensor": ("tensor", "layout"),
     **{
         f"CallbackList.on_{mode}_batch_{end}": ("self", "batch", "logs")
         for mode in ("train", "test", "predict")

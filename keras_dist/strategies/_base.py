@@ -12,6 +12,7 @@ from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies._moved import install_moved_methods
+from keras_dist.strategies.devices._any_shape import data_layout
 from keras_dist.strategies.devices._devices import device_name
 from keras_dist.strategies.devices._mesh import build_device_mesh, made_layout_map
 from keras_dist.strategies.devices._placement import BATCH_AXIS, Pacer
@@ -201,6 +202,17 @@ class Strategy(keras.distribution.DataParallel):
     def layout_map(self) -> "keras.distribution.LayoutMap | None":
         """The `LayoutMap` whose rules lay variables out (None: automatic)."""
         return self._layout_map
+
+    def get_data_layout(self, data_shape: Sequence[Any]) -> Any:
+        """Keras's hook for a batch's layout, for a batch of any size.
+
+        The first dimension split over `"batch"` when the replicas divide
+        it; otherwise whole on every replica (Keras's `DataParallel` raises
+        there): libraries that lay data out themselves, such as keras-hub's
+        `CausalLM.generate` on 3 prompts over 8 replicas, get one device's
+        numbers. `fit`, `evaluate` and `predict` pad a partial batch instead.
+        """
+        return data_layout(self.device_mesh, tuple(data_shape))
 
     def get_tensor_layout(self, path: str) -> Any:
         """Keras's hook for a layer output's layout: the layout map's rule."""
