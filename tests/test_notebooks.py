@@ -248,6 +248,10 @@ def test_finetune_llm_notebook_trains_lora_on_a_2d_mesh_and_generates(tmp_path):
     assert generated and generated[1].startswith("10, 11, 12, 13, 14, 15, 16")
     assert "one device generates the same tokens: True" in out
     assert (tmp_path / "finetuned.keras").is_file()
+    # Text: 3 string prompts through a preprocessor on the 2 replicas.
+    texts = re.findall(r"^generated text: (.*)$", out, re.M)
+    assert len(texts) == 3 and texts[0].startswith("10 11 12 13 14 15 16")
+    assert "one device generates the same text: True" in out
 
 
 def _install_cell(nb) -> str:

@@ -95,6 +95,29 @@ def eager_predict() -> list:
     return model.predict(x, batch_size=_workload.BATCH, verbose=0).tolist()
 
 
+def keras_hub_generate() -> dict:
+    """keras-hub's `generate` inside the scope: 1, 3 and 9 token prompts (9:
+    the 8 replicas + 1), greedy and seeded top-k, and 3 strings and a single
+    string through the SentencePiece preprocessor."""
+    from tests import _keras_hub_lm as lm
+
+    with strategy.scope():
+        model = lm.gemma(lm.train_proto())
+        tokens = {
+            n: lm.generate_tokens(model, lm.token_prompts(n))["token_ids"].tolist()
+            for n in (1, 3, 9)
+        }
+        top_k = lm.generate_tokens(model, lm.token_prompts(3), lm.top_k())
+        strings = model.generate(lm.sentences(3, seed=5), stop_token_ids=None)
+        string = model.generate(lm.sentences(1, seed=6)[0], stop_token_ids=None)
+    return {
+        "tokens": tokens,
+        "top_k": top_k["token_ids"].tolist(),
+        "strings": strings,
+        "string": string,
+    }
+
+
 def local_results() -> int:
     per_replica = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group
@@ -118,6 +141,7 @@ results = {
     "shuffled": shuffled_fit(),
     "file": file_sharded_ids(),
     "from_function": from_function_ids(),
+    "generate": keras_hub_generate(),
 }
 with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
     json.dump(results, f)

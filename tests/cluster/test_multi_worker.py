@@ -103,6 +103,32 @@ def test_eager_predict_returns_every_row_on_every_process(cluster):
         np.testing.assert_allclose(result["eager_predict"], expected, rtol=1e-5)
 
 
+def test_keras_hub_generate_gives_one_devices_tokens_on_every_process(cluster):
+    """`generate` lays its prompts out itself: 1, 3 and 9 prompts on 8 replicas
+    over 2 processes, token for token as on one device."""
+    from tests import _keras_hub_lm as lm
+
+    _, results = cluster
+    with kd.OneDeviceStrategy("cpu:0").scope():
+        model = lm.gemma(lm.train_proto())
+        want = {
+            "tokens": {
+                str(n): lm.generate_tokens(model, lm.token_prompts(n))[
+                    "token_ids"
+                ].tolist()
+                for n in (1, 3, 9)
+            },
+            "top_k": lm.generate_tokens(model, lm.token_prompts(3), lm.top_k())[
+                "token_ids"
+            ].tolist(),
+            "strings": model.generate(lm.sentences(3, seed=5), stop_token_ids=None),
+            "string": model.generate(lm.sentences(1, seed=6)[0], stop_token_ids=None),
+        }
+    for result in results:
+        assert result["generate"] == want
+    assert len(want["string"].split()) > len(lm.sentences(1, seed=6)[0].split())
+
+
 def _assert_same_run(expected: dict, got: dict) -> None:
     """fit history and weights, evaluate, predict of `_workload` runs agree."""
     assert_history_close(expected["history"], got["history"])
