@@ -12,6 +12,7 @@ import numpy as np
 
 import keras_dist as kd
 from keras_dist import _keras_compat
+from keras_dist._keras_compat._releases import find
 from keras_dist.data import _partial_batch
 from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 
@@ -31,7 +32,8 @@ def test_every_seam_exists_with_the_expected_signature():
     found = _keras_compat.seams()
     assert all(obj is not None for obj in found.values())
     params = inspect.signature(_keras_compat._originals["_distribute_data"]).parameters
-    assert list(params) == ["data", "layouts"]
+    # The nightly also takes `is_super_batch` (steps_per_execution's stacks).
+    assert list(params) in (["data", "layouts"], ["data", "layouts", "is_super_batch"])
     for name in _keras_compat.STEP_BUILDERS:
         original = _keras_compat._originals[f"JAXTrainer.{name}"]
         assert list(inspect.signature(original).parameters) == ["self", "force"]
@@ -41,22 +43,21 @@ def test_seams_are_installed_once_by_the_first_strategy():
     kd.OneDeviceStrategy("cpu:0")
     from keras.src.backend.jax import trainer
 
+    jax_trainer = find("keras.src.backend.jax.trainer.JAXTrainer")
     assert trainer.jit is _keras_compat._jit
     assert trainer._distribute_data is _keras_compat._distribute_data
     assert (
-        trainer.JAXEpochIterator._get_distributed_iterator
+        find("keras.src.backend.jax.trainer.JAXEpochIterator._get_distributed_iterator")
         is _keras_compat._get_distributed_iterator
     )
     for name in (*_keras_compat.ENTRY_POINTS, *_keras_compat.STEP_BUILDERS):
-        wrapped = getattr(trainer.JAXTrainer, name)
+        wrapped = getattr(jax_trainer, name)
         assert (
             wrapped._keras_dist_wrapped
             is _keras_compat._originals[f"JAXTrainer.{name}"]
         )
     _keras_compat.install()  # Idempotent: no double wrapping.
-    assert not hasattr(
-        trainer.JAXTrainer.fit._keras_dist_wrapped, "_keras_dist_wrapped"
-    )
+    assert not hasattr(jax_trainer.fit._keras_dist_wrapped, "_keras_dist_wrapped")
 
 
 def test_keras_compiles_steps_through_the_wrapped_jit(monkeypatch):
@@ -97,9 +98,10 @@ def test_plain_keras_distribution_still_fails_on_a_partial_batch():
 
 
 def test_callback_seams_exist():
-    """Callbacks rely on these private names of Keras 3.15."""
-    from keras.src.backend.jax import trainer
+    """Callbacks rely on these private names of Keras 3.15 (and the nightly)."""
     from keras.src.trainers import epoch_iterator
+
+    jax_trainer = find("keras.src.backend.jax.trainer.JAXTrainer")
 
     checkpoint = keras.callbacks.ModelCheckpoint
     for name, params in {
@@ -108,8 +110,8 @@ def test_callback_seams_exist():
         "_should_save_model": ["self", "epoch", "batch", "logs", "filepath"],
     }.items():
         assert list(inspect.signature(getattr(checkpoint, name)).parameters) == params
-    assert "jax_state_sync" in vars(trainer.JAXTrainer)
-    source = inspect.getsource(trainer.JAXTrainer.fit)
+    assert "jax_state_sync" in vars(jax_trainer)
+    source = inspect.getsource(jax_trainer.fit)
     for attribute in ("_jax_state_synced", "_jax_state", "_initial_epoch"):
         assert attribute in source, attribute
     assert "_steps_seen" in inspect.getsource(epoch_iterator.EpochIterator)

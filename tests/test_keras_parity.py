@@ -233,7 +233,13 @@ def test_on_batch_methods_equal_keras(mode):
     weights = _weights()
     results = []
     for strategy in (None, mirrored(8)):
-        model = _model(strategy, MODES[mode], weights)
+        options = MODES[mode]
+        if strategy is None:
+            # One batch is one step either way; Keras's nightly crashes in its
+            # own `train_on_batch` with steps_per_execution > 1 (it slices
+            # the missing sample weights of its super-batch loop).
+            options = {k: v for k, v in options.items() if k != "steps_per_execution"}
+        model = _model(strategy, options, weights)
         train = model.train_on_batch(X[:7], Y[:7], return_dict=True)
         test = model.test_on_batch(X[7:12], Y[7:12], return_dict=True)
         out = model.predict_on_batch(X[:5])

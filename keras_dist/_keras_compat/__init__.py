@@ -92,14 +92,13 @@ keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
 """
 
-import importlib
 from typing import Any
 
 import jax
 import keras
 import numpy as np
 
-from keras_dist._keras_compat import _private
+from keras_dist._keras_compat import _private, _releases
 from keras_dist._keras_compat._accumulation import (
     _backend_apply_gradients,
     _get_current_learning_rate,
@@ -198,6 +197,9 @@ _SEAMS: tuple = (
     ),
     (_CORE, "JaxVariable._initialize_with_initializer", _initialize_with_initializer),
     (_CORE, "JaxVariable._initialize_layout", None),
+    # _variables: the functions through which a value joins a computation.
+    (_CORE, "convert_to_tensor", None),
+    (_CORE, "JaxVariable.__jax_array__", None),
     # `assign` is KerasVariable's: the wrapper is set on JaxVariable.
     (_CORE, "JaxVariable.assign", _assign),
     (_CORE, "JaxVariable._direct_assign", _direct_assign),
@@ -224,15 +226,9 @@ _SEAMS: tuple = (
 
 
 def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:
-    """(owner, attribute, value) of `module.path`; value None if missing."""
-    try:
-        owner: Any = importlib.import_module(module_name)
-    except ImportError:
-        return None, path, None
-    *owners, attribute = path.split(".")
-    for name in owners:
-        owner = getattr(owner, name, None)
-    return owner, attribute, getattr(owner, attribute, None)
+    """(owner, attribute, value) of `module.path`, wherever the installed
+    Keras has it (`_releases.MOVED`); value None if missing."""
+    return _releases.locate(module_name, path)
 
 
 def seams() -> dict[str, Any]:

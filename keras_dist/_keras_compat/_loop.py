@@ -41,6 +41,7 @@ With no keras_dist strategy current, everything here behaves exactly as
 Keras's.
 """
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ from keras_dist.data.host._auto_shard import is_per_process
 from keras_dist.data.host._pipeline import InputPass, keras_batch
 from keras_dist.errors import IncompatibleBackupError
 from keras_dist.strategies._base import Strategy
-from keras_dist.training._fused_steps import FusedSteps
+from keras_dist.training._fused_steps import FusedSteps, batch_by_batch
 from keras_dist.training._step import StepProgram, TimedStep
 
 __all__ = [
@@ -111,31 +112,42 @@ def _jit(fun: Callable, *args, **kwargs):
     )
 
 
-def _make_function(self, step_function, concatenate_outputs=False):
+def _make_function(self, step_function, out_shardings=None, concatenate_outputs=False):
     """Keras's step loop over a `StepProgram` (an eager step becomes one).
 
     A compiled step with `steps_per_execution > 1` runs its groups of batches
     as one program each (`FusedSteps`) while the strategy's
     `input_options.fuse_steps` is on (read at each group: Keras keeps the
     step functions it made across calls).
+
+    Keras 3.15 compiles the step before this call; the nightly compiles it
+    here (`out_shardings`) and runs `steps_per_execution` batches stacked
+    into a super-batch, which keras_dist's pipeline does not make: under a
+    strategy, its step is compiled as 3.15's, and its groups are batches.
     """
+    original = _originals["JAXTrainer._make_function"]
+    compiles_here = "out_shardings" in inspect.signature(original).parameters
     strategy = current_strategy()
     if strategy is None:
+        if compiles_here:
+            return original(self, step_function, out_shardings, concatenate_outputs)
         if not isinstance(step_function, TimedStep):
             step_function = TimedStep(step_function)  # Plain Keras's eager step.
-    elif not isinstance(step_function, StepProgram):
+        return original(self, step_function, concatenate_outputs)
+    if compiles_here and not self.run_eagerly and self.jit_compile:
+        step_function = _jit(
+            step_function, donate_argnums=0, out_shardings=out_shardings
+        )
+    if not isinstance(step_function, StepProgram):
         step_function = StepProgram(
             step_function, strategy, predict=concatenate_outputs, jit=None
         )
-    keras_loop = _originals["JAXTrainer._make_function"](
-        self, step_function, concatenate_outputs
-    )
-    if (
-        isinstance(step_function, StepProgram)
-        and step_function.compiled
-        and self.steps_per_execution > 1
-    ):
-        steps = self.steps_per_execution
+    steps = self.steps_per_execution
+    if compiles_here:
+        keras_loop = batch_by_batch(step_function, steps, concatenate_outputs)
+    else:
+        keras_loop = original(self, step_function, concatenate_outputs)
+    if step_function.compiled and steps > 1:
         program = step_function  # Its strategy: the one it was made under.
         return FusedSteps(
             step_function.step,
@@ -148,30 +160,35 @@ def _make_function(self, step_function, concatenate_outputs=False):
     return keras_loop
 
 
-def _distribute_data(data, layouts=None):
+def _distribute_data(data, layouts=None, *args, **kwargs):
     strategy = current_strategy()
     if strategy is None:
-        return _originals["_distribute_data"](data, layouts)
+        return _originals["_distribute_data"](data, layouts, *args, **kwargs)
     return keras_batch(strategy.placement, data)
 
 
-def _get_distributed_iterator(self, distribution: Any):
-    """Keras's per-pass batch iterator: one `InputPass` of the pipeline."""
-    if not isinstance(distribution, Strategy):
+def _get_distributed_iterator(self, *distribution: Any):
+    """Keras's per-pass batch iterator: one `InputPass` of the pipeline.
+
+    Keras 3.15 passes the distribution; the nightly's `_get_iterator` takes
+    none (the current one is the same).
+    """
+    current = distribution[0] if distribution else keras.distribution.distribution()
+    if not isinstance(current, Strategy):
         return _originals["JAXEpochIterator._get_distributed_iterator"](
-            self, distribution
+            self, *distribution
         )
     adapter = self.data_adapter
     name = type(adapter).__name__
     if name == ARRAY_ADAPTER:
-        resident = resident_pass(adapter, distribution.placement)
+        resident = resident_pass(adapter, current.placement)
         if resident is not None:  # In-memory arrays laid out on the mesh once.
             return resident
     return InputPass(
-        distribution.placement,
+        current.placement,
         adapter.get_jax_iterator(),
         source=f"the {name.removesuffix('Adapter')} input",
-        per_process=distribution.placement.spans_processes
+        per_process=current.placement.spans_processes
         and is_per_process(adapter_dataset(adapter)),
         keras=True,
         prefetch=0 if _reads_on_demand(self, name) else 1,

@@ -53,11 +53,11 @@ import jax
 import keras
 import numpy as np
 from keras.src.backend.common.variables import Variable
-from keras.src.backend.jax import core
 from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
 from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
+from keras_dist._keras_compat import _releases
 from keras_dist._keras_compat._wrapped import marked
 from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies.state._split_values import (
@@ -66,6 +66,8 @@ from keras_dist.strategies.state._split_values import (
     put_split,
     split_sharding,
 )
+
+_CORE = "keras.src.backend.jax.core"  # The nightly's `ops.core` (`_releases`).
 
 __all__ = [
     "_assign",
@@ -237,7 +239,11 @@ def joining_functions() -> tuple[Callable, ...]:
         and name not in _NOT_JOINING
         and inspect.isfunction(function)
     )
-    return (core.convert_to_tensor, core.JaxVariable.__jax_array__, *operators)
+    return (
+        _releases.find(f"{_CORE}.convert_to_tensor"),
+        _releases.find(f"{_CORE}.JaxVariable.__jax_array__"),
+        *operators,
+    )
 
 
 _JOINING = frozenset(function.__code__ for function in joining_functions())

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from keras_dist.data._batch_group import BatchGroup, group_of
 
-__all__ = ["FusedSteps", "has_primitive", "loops_slowly"]
+__all__ = ["FusedSteps", "batch_by_batch", "has_primitive", "loops_slowly"]
 
 
 class FusedSteps:
@@ -180,3 +180,29 @@ _END = object()
 def _join_steps(outputs):
     """(N, B, ...) outputs of N steps -> (N * B, ...), as Keras concatenates."""
     return outputs.reshape((-1, *outputs.shape[2:]))
+
+
+def batch_by_batch(step: Callable, steps: int, concatenate: bool) -> Callable:
+    """`iterator_step(state, iterator)`: up to `steps` batches, one step each.
+
+    The loop of Keras 3.15's `_make_function`, which the nightly replaced by
+    a scan over stacked super-batches: the steps run in order, a group stops
+    where the epoch's batches end, and `predict`'s outputs are concatenated
+    along the batch axis (`fit`'s and `evaluate`'s are the last step's).
+    """
+
+    def iterator_step(state: Any, iterator: Iterator) -> tuple[Any, Any]:
+        outputs, state = step(state, next(iterator))
+        collected = [outputs]
+        for _ in range(steps - 1):
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            outputs, state = step(state, batch)
+            collected.append(outputs)
+        if concatenate and len(collected) > 1:
+            outputs = jax.tree.map(lambda *parts: jnp.concatenate(parts), *collected)
+        return outputs, state
+
+    return iterator_step

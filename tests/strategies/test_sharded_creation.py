@@ -16,10 +16,13 @@ import jax
 import keras
 import numpy as np
 import pytest
-from keras.src.backend.jax.core import JaxVariable
 
 import keras_dist as kd
+from keras_dist._keras_compat._releases import find
 from keras_dist._keras_compat._state import originals
+
+# Keras 3.15 names it `core.JaxVariable`; the nightly `ops.core.Variable`.
+JaxVariable = find("keras.src.backend.jax.core.JaxVariable")
 
 STRATEGIES = {
     "parameter_server": lambda: kd.ParameterServerStrategy(
