@@ -25,7 +25,8 @@ def test_a_moved_keras_hook_fails_loudly(monkeypatch):
     monkeypatch.delattr(owner, "num_processes")
     with pytest.raises(
         ImportError,
-        match=r"checked against Keras 3\.15\.x and 3\.16\.x; .*no longer has "
+        match=r"checked against Keras 3\.15\.1 and keras-nightly "
+        r"3\.16\.0\.dev2026102704; .*no longer has "
         r"\[.*num_processes.*Install `keras>=3\.15,<3\.17`",
     ):
         _keras_compat.seams()

@@ -137,6 +137,9 @@ from keras_dist._version import __version__
 # The Keras minor releases every seam was checked against (pyproject.toml pins
 # `keras>=3.15,<3.17`; `.ci/run` runs the suite on both).
 CHECKED_KERAS = ("3.15", "3.16")
+# The builds `.ci/run` tests: the release, and the nightly of the next minor
+# that `.ci/newest-stack.txt` pins.
+CHECKED_BUILDS = ("3.15.1", "keras-nightly 3.16.0.dev2026102704")
 ENTRY_POINTS = (
     "fit",
     "evaluate",
@@ -250,16 +253,16 @@ def seams() -> dict[str, Any]:
     if missing or changed:
         raise ImportError(
             f"keras_dist {_version()} was checked against Keras "
-            f"{_minors(CHECKED_KERAS)}; Keras {keras.__version__} no longer has "
-            f"{missing}{_changed(changed)}. Install `{_KERAS_PIN}` or upgrade "
-            "keras_dist."
+            f"{' and '.join(CHECKED_BUILDS)}; Keras {keras.__version__} no longer "
+            f"has {missing}{_changed(changed)}. {_pin_advice(keras.__version__)}"
         )
     private_jax, missing_jax = _find(JAX_PRIVATE)
     if missing_jax:
         raise ImportError(
-            f"keras_dist {_version()} was checked against JAX {CHECKED_JAX}.x; "
+            f"keras_dist {_version()} was checked against JAX {CHECKED_JAX}.x to "
+            "0.12.x; "
             f"JAX {jax.__version__} no longer has {missing_jax}. Install "
-            f"`jax>={CHECKED_JAX},<0.11` or upgrade keras_dist."
+            f"`jax>={CHECKED_JAX},<0.13` or upgrade keras_dist."
         )
     return {**found, **hooks, **private_jax}
 
@@ -267,12 +270,19 @@ def seams() -> dict[str, Any]:
 _KERAS_PIN = f"keras>={CHECKED_KERAS[0]},<3.{int(CHECKED_KERAS[-1][2:]) + 1}"
 
 
+def _pin_advice(installed: str) -> str:
+    """What to install instead of the Keras `installed`."""
+    if ".dev" in installed:
+        return (
+            f"This is a Keras nightly; the one checked is {CHECKED_BUILDS[-1]}: "
+            f"`pip install --no-deps {CHECKED_BUILDS[-1].replace(' ', '==')}`. "
+            f"Install `{_KERAS_PIN}` for the release, or upgrade keras_dist."
+        )
+    return f"Install `{_KERAS_PIN}` or upgrade keras_dist."
+
+
 def _changed(changed: list[str]) -> str:
     return f", and changed the signatures of {changed}" if changed else ""
-
-
-def _minors(minors: tuple[str, ...]) -> str:
-    return " and ".join(f"{m}.x" for m in minors)
 
 
 def _version() -> str:
