@@ -5,6 +5,8 @@ import re
 import sys
 from typing import Any
 
+from keras_dist._keras_compat import _jax_private
+
 
 def ensure_jax_backend() -> None:
     """Selects the JAX backend if Keras is not loaded yet; fails if it is not JAX.
@@ -55,12 +57,7 @@ _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
 
 def backend_started() -> bool:
     """Whether JAX has started its backends (it then knows the cluster, if any)."""
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge._backends)
-    except Exception:
-        return False
+    return _jax_private.backends_started()
 
 
 def jax_option(name: str) -> Any:

@@ -185,6 +185,21 @@ def test_every_private_name_keras_dist_uses_is_in_the_tables():
     assert not unlisted_imports, f"Private imports not declared: {unlisted_imports}"
 
 
+def test_no_private_name_of_another_package_is_used_outside_the_fence():
+    """Keras's, JAX's, TensorFlow's and Orbax's private names are used only in
+    `keras_dist/_keras_compat/`: the other layers call its accessors."""
+    attributes, imports = _used(_trees())
+    used = {
+        **attributes,
+        **{f"{module}.{name}": w for (module, name), w in imports.items()},
+    }
+    outside = {
+        name: [w for w in where if not w.startswith("keras_dist/_keras_compat/")]
+        for name, where in used.items()
+    }
+    assert {name: where for name, where in outside.items() if where} == {}
+
+
 def test_the_tables_list_nothing_the_code_no_longer_uses():
     attributes, imports = _used(_trees())
     listed = {

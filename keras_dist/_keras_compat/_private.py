@@ -92,7 +92,7 @@ PRIVATE_ATTRIBUTES: tuple = (
         "JAXTrainer",
         ("_jax_state", "_jax_state_synced"),
     ),
-    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch",)),
+    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch",)),  # _access
     (
         _OPTIMIZER,
         "BaseOptimizer",
@@ -122,9 +122,13 @@ PRIVATE_ATTRIBUTES: tuple = (
             "_h5_entry_path",
         ),
     ),
-    # strategies/_host_memory.MemoryLayout sets Keras's cached sharding.
-    ("keras.src.distribution.distribution_lib", "TensorLayout", ("_backend_layout",)),
-    # callbacks/_model_checkpoint overrides `_save_model` and calls the others.
+    # _orbax_private: the v1 Checkpointer's v0 manager (its preemption query).
+    (
+        "orbax.checkpoint.experimental.v1._src.training.checkpointer",
+        "Checkpointer",
+        ("_manager",),
+    ),
+    # _hooks.ModelCheckpointHooks overrides `_save_model` and calls the others.
     (
         "keras.src.callbacks.model_checkpoint",
         "ModelCheckpoint",

@@ -13,7 +13,8 @@ import keras
 from jax.experimental import multihost_utils
 
 from keras_dist._checks import check_int
-from keras_dist._keras_compat import step_counter, sync_state
+from keras_dist._keras_compat import _access
+from keras_dist._keras_compat._access import step_counter, sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir
@@ -218,7 +219,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _release(self) -> None:
         """Undoes what `on_train_begin` set up (also when `fit` raises)."""
-        self.model._initial_epoch = None
+        _access.set_initial_epoch(self.model, None)
         self._uninstall_sigterm_handler()
         store, self._store = self._store, None
         if store is not None:
@@ -263,7 +264,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]
-        self.model._initial_epoch = epoch
+        _access.set_initial_epoch(self.model, epoch)
         self._epoch, self._step_in_epoch = epoch, step
         if step:
             self._resumed_metrics = meta["metrics_values"]

@@ -7,13 +7,13 @@ import jax
 import numpy as np
 
 from keras_dist._keras_compat._freeze import freeze, prepare
+from keras_dist._keras_compat._orbax_private import without_preemption_queries
 from keras_dist.callbacks import _raw_arrays
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import (
     background_barriers,
     backup_type_handlers,
     collection_paused,
-    without_preemption_queries,
 )
 from keras_dist.errors import IncompatibleBackupError
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_dist._keras_compat import _access
 from keras_dist.strategies._base import strategy_of_model
 
 __all__ = [
@@ -69,7 +70,7 @@ def controlled(model: keras.Model) -> ControlledLearningRate:
     starting at the schedule's current value. The train step is rebuilt once.
     """
     optimizer = model.optimizer
-    current = optimizer._learning_rate
+    current = _access.learning_rate_object(optimizer)
     if isinstance(current, ControlledLearningRate):
         return current
     if isinstance(current, keras.Variable):
@@ -83,9 +84,9 @@ def controlled(model: keras.Model) -> ControlledLearningRate:
                 dtype=keras.config.floatx(),
                 trainable=False,
             )
-        optimizer._track_variable(variable)
+        _access.track_variable(optimizer, variable)
     control = ControlledLearningRate(variable)
-    optimizer._learning_rate = control
+    _access.set_learning_rate_object(optimizer, control)
     model.make_train_function(force=True)
     return control
 
@@ -97,11 +98,11 @@ def release(model: keras.Model) -> None:
     one built with a float.
     """
     optimizer = model.optimizer
-    control = optimizer._learning_rate
+    control = _access.learning_rate_object(optimizer)
     if not isinstance(control, ControlledLearningRate):
         return
     control.value.assign(current_learning_rate(optimizer))
-    optimizer._learning_rate = control.value
+    _access.set_learning_rate_object(optimizer, control.value)
     model.train_function = None
 
 
@@ -109,15 +110,15 @@ def release(model: keras.Model) -> None:
 def plain_learning_rate(model: keras.Model):
     """Within: the optimizer's learning rate is its variable (for saving)."""
     optimizer = getattr(model, "optimizer", None)
-    control = getattr(optimizer, "_learning_rate", None)
+    control = None if optimizer is None else _access.learning_rate_object(optimizer)
     if optimizer is None or not isinstance(control, ControlledLearningRate):
         yield
         return
-    optimizer._learning_rate = control.value
+    _access.set_learning_rate_object(optimizer, control.value)
     try:
         yield
     finally:
-        optimizer._learning_rate = control
+        _access.set_learning_rate_object(optimizer, control)
 
 
 def _model_scope(model):
@@ -141,7 +142,8 @@ def _evaluate(lr, optimizer, step=None):
 def current_learning_rate(optimizer) -> float:
     """The rate the optimizer used for its most recent step (host float)."""
     iterations = int(np.asarray(optimizer.iterations))
-    value = _evaluate(optimizer._learning_rate, optimizer, max(iterations - 1, 0))
+    rate = _access.learning_rate_object(optimizer)
+    value = _evaluate(rate, optimizer, max(iterations - 1, 0))
     return float(np.float32(np.asarray(value)))
 
 

@@ -12,7 +12,8 @@ import keras
 from jax.experimental import multihost_utils
 
 from keras_dist._checks import check_int
-from keras_dist._keras_compat import step_counter, sync_state
+from keras_dist._keras_compat._access import step_counter, sync_state
+from keras_dist._keras_compat._hooks import ModelCheckpointHooks
 from keras_dist._keras_compat._saving import (
     Snapshot,
     prepare_snapshot,
@@ -38,7 +39,7 @@ from keras_dist.data import _call
 __all__ = ["ModelCheckpoint"]
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(ModelCheckpointHooks):
     """Keras's `ModelCheckpoint`, safe with many processes and crashes.
 
     Same arguments and behaviour as `keras.callbacks.ModelCheckpoint`
@@ -228,7 +229,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._check()  # A background write that failed raises here.
         interval = self.save_interval_seconds
         if interval is not None and self._interval_passed(interval):
-            self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
+            self.save_checkpoint(self.current_epoch, batch, logs)
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         super().on_epoch_begin(epoch, logs)
@@ -282,11 +283,12 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
             due = bool(multihost_utils.broadcast_one_to_all(int(due)))
         return due
 
-    def _save_model(self, epoch: int, batch: int | None, logs: dict | None) -> None:
+    def save_checkpoint(self, epoch: int, batch: int | None, logs: dict | None) -> None:
+        """Saves where and when Keras's `ModelCheckpoint` would: in the background."""
         if self.save_best_only and batch is None:
             check_monitor(self.monitor, logs)
-        filepath = self._get_file_path(epoch, batch, logs)
-        if not self._should_save_model(epoch, batch, logs, filepath):
+        filepath = self.keras_file_path(epoch, batch, logs)
+        if not self.keras_should_save(epoch, batch, logs, filepath):
             return
         self._last_save = time.monotonic()
         sync_state(self.model)

@@ -57,7 +57,6 @@ __all__ = [
     "background_barriers",
     "backup_type_handlers",
     "collection_paused",
-    "without_preemption_queries",
 ]
 
 _BARRIER_FLAG = "experimental_orbax_use_distributed_barrier"
@@ -118,22 +117,3 @@ def backup_type_handlers():
     return type_handlers.create_type_handler_registry(
         (jax.Array, arrays), (np.ndarray, type_handlers.NumpyHandler())
     )
-
-
-def _never_preempted(step: int) -> bool:
-    return False
-
-
-def without_preemption_queries(manager) -> None:
-    """`manager` (Orbax's `CheckpointManager`, or the v1 `Checkpointer`
-    around one) no longer asks JAX's preemption service at each save."""
-    inner = getattr(manager, "_manager", manager)  # v1 keeps its v0 manager.
-    if not hasattr(inner, "reached_preemption"):
-        import orbax.checkpoint
-
-        raise RuntimeError(
-            "keras_dist: Orbax's CheckpointManager has no `reached_preemption` "
-            f"in orbax-checkpoint {orbax.checkpoint.__version__}; keras_dist "
-            "is tested with 0.11 and 0.12: install one of those."
-        )
-    inner.reached_preemption = _never_preempted

@@ -18,12 +18,12 @@ import jax
 import numpy as np
 
 from keras_dist._keras_compat._freeze import freeze
+from keras_dist._keras_compat._orbax_private import without_preemption_queries
 from keras_dist._keras_compat._saving import model_files, orbax_payload
 from keras_dist.callbacks._background import BackgroundWriter
 from keras_dist.callbacks._orbax import (
     background_barriers,
     collection_paused,
-    without_preemption_queries,
 )
 
 __all__ = ["ShardedCheckpoints", "restore_sharded"]

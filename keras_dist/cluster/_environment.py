@@ -6,6 +6,7 @@ from typing import Any
 
 import hostlist
 
+from keras_dist._keras_compat import _jax_private
 from keras_dist.cluster._resolver import (
     ClusterResolver,
     SimpleClusterResolver,
@@ -146,16 +147,7 @@ def _launcher_resolver() -> ClusterResolver:
 
 def _jax_detected() -> bool:
     """Whether JAX's own cluster detection (TPU pods, k8s, ...) applies here."""
-    try:
-        from jax._src import clusters
-
-        return any(
-            env.is_env_present()
-            for env in clusters.ClusterEnv._cluster_types
-            if env.__name__ not in ("SlurmCluster", "MpiCluster")
-        )
-    except Exception:  # Private JAX API: absent means "not detected".
-        return False
+    return _jax_private.jax_detects_cluster(excluding=("SlurmCluster", "MpiCluster"))
 
 
 def resolve(resolver: ClusterResolver | None = None) -> ClusterResolver:

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 
 from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
+from keras_dist._keras_compat import _jax_private
 from keras_dist.cluster._environment import check_address, resolve
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -69,9 +70,7 @@ def _check_timeout(timeout: Any) -> None:
 
 
 def _joined_by_jax() -> bool:
-    from jax._src import distributed
-
-    return distributed.global_state.client is not None
+    return _jax_private.coordination_client() is not None
 
 
 def initialize(

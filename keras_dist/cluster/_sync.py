@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from keras_dist._keras_compat import _jax_private
 from keras_dist.errors import ClusterTimeoutError
 
 __all__ = [
@@ -50,9 +51,7 @@ def multi_process() -> bool:
 
 
 def _client():
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = _jax_private.coordination_client()
     if client is None:
         raise RuntimeError(
             "This process has several JAX processes but no coordination client; "

@@ -12,6 +12,7 @@ import sys
 
 import jax
 
+from keras_dist._keras_compat import _jax_private
 from keras_dist.errors import TPUNotFoundError
 
 __all__ = ["cloud_tpu_hosts", "full_tensorflow", "visible_tpu_devices"]
@@ -51,15 +52,7 @@ def cloud_tpu_hosts() -> tuple[int, int | None] | None:
     metadata server, or the GKE variables), without starting the TPU: a pod
     must join its cluster before JAX touches any device.
     """
-    try:
-        from jax._src.clusters import cloud_tpu_cluster
-
-        for env in (cloud_tpu_cluster.GkeTpuCluster, cloud_tpu_cluster.GceTpuCluster):
-            if env.is_env_present():
-                return env.get_process_count(), env.get_process_id()
-    except Exception:  # Private JAX API, or no metadata server: not a pod.
-        return None
-    return None
+    return _jax_private.cloud_tpu_hosts()
 
 
 def visible_tpu_devices(*, tpu: str | None = None) -> tuple:

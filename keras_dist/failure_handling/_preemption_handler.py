@@ -12,7 +12,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat import sync_state
+from keras_dist._keras_compat._access import sync_state
 from keras_dist.callbacks._backup_store import BackupStore
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._files import check_writable_dir

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from keras_dist._keras_compat._hooks import BatchNormalizationHooks
 from keras_dist.data import _replica_rows
 from keras_dist.data._replica_rows import ReplicaRows
 from keras_dist.layers._replica_moments import (
@@ -25,7 +26,7 @@ __all__ = ["BatchNormalization"]
 
 
 @keras.saving.register_keras_serializable(package="keras_dist")
-class BatchNormalization(keras.layers.BatchNormalization):
+class BatchNormalization(BatchNormalizationHooks):
     """Keras's `BatchNormalization`, with per-replica statistics under a strategy.
 
     A drop-in for `keras.layers.BatchNormalization`: the same arguments, the
@@ -116,7 +117,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         context = in_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
-            if self.synchronized:  # `_moments` sums over the replicas.
+            if self.synchronized:  # `batch_moments` sums over the replicas.
                 return super().call(inputs, training=training, mask=mask)
             return self._in_replica(inputs, mask, context)
         layout = _replica_rows.current()
@@ -124,12 +125,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         return self._per_replica(inputs, mask, layout)
 
-    def _moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
+    def batch_moments(self, inputs: Any, mask: Any) -> tuple[Any, Any]:
         context = in_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             if mask is None:  # Keras's, whose JAX op refuses `synchronized`.
-                return keras.ops.moments(inputs, axes=self._reduction_axes)
-            return super()._moments(inputs, mask)
+                return keras.ops.moments(inputs, axes=self.reduction_axes)
+            return super().batch_moments(inputs, mask)
         weights = _weights(inputs, mask, context)
         mean, variance, _ = weighted_moments(
             inputs,

@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import keras
 
+from keras_dist._keras_compat import _access
 from keras_dist.cluster import _sync
 from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
@@ -157,8 +158,9 @@ class Strategy(keras.distribution.DataParallel):
         would otherwise abort in a collective when the processes build
         different models.
         """
-        if getattr(variable, "_layout", None) is not None:
-            return variable._layout
+        assigned = _access.assigned_layout(variable)
+        if assigned is not None:  # As Keras's: a layout given at creation.
+            return assigned
         if self.spans_processes:
             _check_same_variable(variable)
         return self._state_layout.variable_layout(variable)

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from keras_dist._keras_compat import _access
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 
 __all__ = [
@@ -65,7 +66,7 @@ def accumulates_under_strategy(optimizer: keras.optimizers.Optimizer) -> bool:
         return True
     if not getattr(optimizer, "gradient_accumulation_steps", None):
         return False
-    iterations = getattr(optimizer, "_iterations", None)
+    iterations = _access.micro_steps(optimizer)
     if isinstance(strategy_of_variable(iterations), Strategy):
         return True
     return isinstance(keras.distribution.distribution(), Strategy)
@@ -101,12 +102,9 @@ def apply_accumulated(
             (clipping, weight decay, `update_step`, EMA).
     """
     steps = optimizer.gradient_accumulation_steps
-    accumulators = [
-        optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-        for v in trainable_variables
-    ]
+    accumulators = _access.accumulated_gradients(optimizer, trainable_variables)
     state = _update_state(optimizer)
-    is_update_step = (optimizer._iterations.value + 1) % steps == 0
+    is_update_step = (_access.micro_steps(optimizer).value + 1) % steps == 0
     updates_made = optimizer.iterations
 
     def update(values, grads, sums):
@@ -157,9 +155,10 @@ def _as_one_update(optimizer, updates_made) -> Iterator[None]:
 
 def _update_state(optimizer) -> list:
     """Every variable an update reads or writes, but the accumulators."""
-    skip = {id(a) for a in optimizer._accumulated_gradients if a is not None}
+    skip = {id(a) for a in _access.accumulated_gradients(optimizer) if a is not None}
     state, seen = [], skip
-    for variable in (*optimizer._trainable_variables, *optimizer.variables):
+    trainable = _access.optimizer_trainable_variables(optimizer)
+    for variable in (*trainable, *optimizer.variables):
         if id(variable) not in seen:
             seen.add(id(variable))
             state.append(variable)

@@ -145,8 +145,15 @@ def test_without_a_strategy_distribute_tensor_is_keras_own():
 
 @pytest.mark.parametrize("name", ["mirrored", "model_parallel_4"])
 def test_distribute_dataset_keeps_every_batch_whatever_its_size(name):
-    """One process: the dataset itself, every row of every batch size."""
+    """One process: the dataset itself, every row of every batch size.
+
+    The Keras nightly dropped the hook (its adapters shard datasets
+    themselves): a strategy then has none either, as Keras's own.
+    """
     strategy = MESHES[name]()
+    if not hasattr(keras.distribution.DataParallel, "distribute_dataset"):
+        assert not hasattr(strategy, "distribute_dataset")
+        return
     for rows in _sizes(strategy):
         dataset = tf.data.Dataset.from_tensor_slices(_value(2 * rows + 1)).batch(rows)
         distributed = strategy.distribute_dataset(dataset)

@@ -17,6 +17,7 @@ import enum
 import weakref
 from typing import Any
 
+from keras_dist._keras_compat import _tf_private
 from keras_dist.data._target import InputTarget
 from keras_dist.data.host._tf_data import is_tf_dataset
 
@@ -129,9 +130,8 @@ def shard_per_process(
             by the number of processes.
     """
     import tensorflow as tf
-    from tensorflow.python.data.experimental.ops import distribute
 
-    global_batch = int(distribute.compute_batch_size(dataset).numpy())
+    global_batch = _tf_private.compute_batch_size(dataset)
     if global_batch <= 0 or global_batch % num_processes:
         raise ValueError(
             f"With AutoShardPolicy.{policy.name}, each of the {num_processes} "
@@ -141,7 +141,7 @@ def shard_per_process(
             "batch with `drop_remainder=False` and a constant size)."
         )
     if policy == AutoShardPolicy.FILE:
-        dataset = distribute._AutoShardDataset(dataset, num_processes, index)
+        dataset = _tf_private.file_shard(dataset, num_processes, index)
     dataset = dataset.rebatch(global_batch // num_processes)
     # Processes may hold different numbers of batches: the step count comes
     # from the per-step agreement, not from a cardinality Keras would trust.

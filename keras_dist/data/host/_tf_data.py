@@ -9,6 +9,8 @@ answers "unknown" and the caller accepts the dataset).
 import re
 from typing import Any
 
+from keras_dist._keras_compat import _tf_private
+
 __all__ = [
     "BATCHED",
     "ROWS",
@@ -133,8 +135,6 @@ def _max_rank(element_spec) -> int | None:
 
 def _walk(dataset, budget: list[int]) -> tuple[str, list[str]]:
     """(kind, the transformations from a row source up to `dataset`)."""
-    from tensorflow.python.data.ops import dataset_ops
-
     budget[0] -= 1
     if budget[0] < 0:
         return UNKNOWN, []
@@ -143,20 +143,21 @@ def _walk(dataset, budget: list[int]) -> tuple[str, list[str]]:
         return BATCHED, []
     if name in _ROW_SOURCES:
         return ROWS, [_ROW_SOURCES[name]]
-    if name == "DatasetV1Adapter":
-        return _walk(dataset._dataset, budget)
+    kind, inputs = _tf_private.upstream(dataset)
+    if kind == "adapter":
+        return _walk(inputs[0], budget)
     if name in _COMBINING:
-        walked = [_walk(d, budget) for d in dataset._inputs()]
+        walked = [_walk(d, budget) for d in inputs]
         kinds = {kind for kind, _ in walked}
         if len(kinds) != 1:
             return UNKNOWN, []
         chain = [step for _, steps in walked for step in steps]
         return kinds.pop(), [*chain, _COMBINING[name]]
-    if isinstance(dataset, dataset_ops.UnaryUnchangedStructureDataset):
-        kind, chain = _walk(dataset._input_dataset, budget)
+    if kind == "unchanged":
+        kind, chain = _walk(inputs[0], budget)
         return kind, [*chain, _label(dataset)]
-    if name in _MAPS:
-        source = dataset._input_dataset
+    if name in _MAPS and inputs:
+        source = inputs[0]
         kind, chain = _walk(source, budget)
         if kind != ROWS:
             return kind, []

@@ -11,7 +11,7 @@ import random
 import jax
 import keras
 
-from keras_dist import _keras_compat
+from keras_dist._keras_compat import _access
 from keras_dist.cluster import _initialize, _sync
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterConfigError
@@ -64,7 +64,7 @@ def agree_on_seed() -> None:
     If the program set a seed with `keras.utils.set_random_seed` the
     processes keep it (it is the same program); otherwise the chief picks one.
     """
-    if jax.process_count() == 1 or _keras_compat.global_seed() is not None:
+    if jax.process_count() == 1 or _access.global_seed() is not None:
         return
     seed = _sync.broadcast_from_chief(
         "random-seed", random.SystemRandom().randrange(2**31)

@@ -42,6 +42,7 @@ class MemoryLayout(keras.distribution.TensorLayout):
     def __init__(self, axes, device_mesh, *, memory_kind: str):
         super().__init__(axes, device_mesh)
         self._memory_kind = memory_kind
+        self._sharding: NamedSharding | None = None
 
     @property
     def memory_kind(self) -> str:
@@ -49,13 +50,13 @@ class MemoryLayout(keras.distribution.TensorLayout):
 
     @property
     def backend_layout(self) -> NamedSharding:
-        if not hasattr(self, "_backend_layout"):
-            self._backend_layout = NamedSharding(
+        if self._sharding is None:
+            self._sharding = NamedSharding(
                 self.device_mesh.backend_mesh,
                 PartitionSpec(*self.axes),
                 memory_kind=self._memory_kind,
             )
-        return self._backend_layout
+        return self._sharding
 
     def __repr__(self) -> str:
         return (

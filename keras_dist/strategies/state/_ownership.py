@@ -3,6 +3,7 @@
 import weakref
 from typing import Any
 
+from keras_dist._keras_compat import _access
 from keras_dist.strategies.replica._parts import StrategyParts
 
 __all__ = [
@@ -42,7 +43,7 @@ def newest_strategy_on(mesh: Any):
 
 def strategy_of_variable(variable):
     """The keras_dist strategy a Keras variable was created under, if any."""
-    mesh = getattr(getattr(variable, "_layout", None), "device_mesh", None)
+    mesh = getattr(_access.assigned_layout(variable), "device_mesh", None)
     return None if mesh is None else _STRATEGY_OF_MESH.get(mesh)
 
 

@@ -1,0 +1,304 @@
+"""The one package where keras_dist reaches into private Keras code.
+
+Everything else plugs into public Keras API: strategies subclass
+`keras.distribution.DataParallel`, so Keras itself creates variables
+replicated on the mesh and lays batches out over it. Three things the public
+API cannot express are done here, on Keras's JAX trainer
+(`keras.src.backend.jax.trainer`), checked against the Keras minor releases
+`CHECKED_KERAS` (3.15 and the 3.16 dev build):
+
+1. **Batches** (`_loop.py`). Keras turns each host batch into a global
+   array with the module function `_distribute_data` (per pass in
+   `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
+   split evenly over the replicas it raises (keras#21167). While one of its
+   strategies is current, keras_dist hands both to its input pipeline
+   (`data/host/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
+   `jit` and `JAXTrainer._make_function` so every step — compiled or eager —
+   is a `StepProgram` (`training/_step.py`, the one step wrapper: it cuts a
+   `PaddedBatch` back to its real rows first), and wraps
+   `JAXEpochIterator._enumerate_iterator` so a resumed `fit` replays its
+   input up to the backed-up step; `steps_per_execution` groups run as one
+   program each (`training/_fused_steps.py`). In-memory arrays (`ArrayDataAdapter`)
+   may instead be laid out on the mesh once, each step gathered on the
+   devices from the indices of Keras's own batching (`_adapters.py`).
+2. **A model remembers its strategy.** `fit`, `evaluate`, `predict` and the
+   `*_on_batch` methods enter the scope of the strategy the model was built
+   under when no scope is open (the tf.distribute tutorials call `fit`
+   outside the scope). Before a step is compiled (`make_*_function`),
+   variables created outside any scope (model, optimizer or metric objects)
+   are moved onto the strategy, and variables of another strategy are
+   refused with an error that says how to fix the script.
+3. **A failed call leaves the model usable.** Keras detaches ("purges") the
+   variables' values while a loop runs and reattaches them at the end; when a
+   step raises, they stay `None` and every later call fails with
+   `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
+
+5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
+   are created with the strategy's `state_layout.slot_layout` (ZeRO-1 shards them
+   the weights stay replicated), and their update gets whole gradients.
+
+4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call
+   is checked to be the same call on every process (else an error instead
+   of a hang), non-chief processes do not print or log, `fit` shares the
+   chief's NumPy random state (same shuffling), `predict` outputs are
+   gathered on every process.
+
+6. **Split variables made in parts** (`_variables.py`): under a strategy,
+   a variable the strategy splits is initialized by its initializer compiled
+   with the variable's sharding as output (each device computes its part;
+   Keras does so only from 250 MiB times the mesh size), and a NumPy value
+   assigned to it (a loaded checkpoint) goes from the host straight to the
+   parts. Same numbers as Keras; an initializer that cannot be traced takes
+   Keras's path.
+
+7. **Split variables spanning processes read back whole**
+   (`_host_values.py`): `KerasVariable.__array__` (get_weights, saving)
+   gathers a value with parts on other processes to every host.
+
+8. **State in host memory** (`_variables.py`): under a strategy that
+   keeps variables outside device memory (`CentralStorageStrategy`), the
+   steps move their state to device memory first (`training/_step.py`);
+   and `JaxVariable.value`, read to
+   compute with it — while JAX traces (Keras's `compute_output_spec`, a
+   user's `jax.jit(model)`) or eagerly by Keras's ops and the variable's
+   operators (`model(x)`, `kernel[0]`, `kernel == x`) — gives a host-memory
+   variable through a transfer to device memory. Read directly
+   (`variable.value`, saving, Keras's trainer collecting its state), it is
+   the stored array.
+
+9. **Gradient accumulation as documented** (`_accumulation.py`): under a
+   strategy, `gradient_accumulation_steps=N` computes one update per N
+   micro-batches (inside the taken branch of a `lax.cond`) and learning-rate
+   schedules see updates, not micro-steps
+   (`keras_dist/training/_gradient_accumulation.py`).
+
+10. **Loss scaling in `strategy.run`** (`_optimizer.py`):
+    `LossScaleOptimizer.check_finite` refuses gradients that differ by
+    replica (each replica would decide alone to skip a step) with the fix,
+    `all_reduce("sum", grads)`, instead of a JAX error about manual axes.
+
+11. **Keras's per-step loop without no-op work** (`_loop.py`): the state
+    between steps is stored untracked, and batch callbacks that no callback
+    overrides are not dispatched.
+
+12. **Layouts that fit any shape** (`_layouts.py`): a layout handed to
+    `keras.distribution.distribute_tensor` under a strategy (a `layout_map`
+    rule for layer outputs, which `get_tensor_layout` gives by path alone)
+    is fitted to the tensor's shape: a dimension its mesh axes do not divide
+    stays whole instead of raising eagerly.
+
+`install()` is idempotent and is called when `keras_dist` is imported. With no
+keras_dist strategy involved, every wrapped function behaves as Keras's own.
+`tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
+"""
+
+from typing import Any
+
+import jax
+import keras
+
+from keras_dist._keras_compat import _private, _releases
+from keras_dist._keras_compat._access import global_seed as global_seed
+from keras_dist._keras_compat._access import step_counter as step_counter
+from keras_dist._keras_compat._access import sync_state as sync_state
+from keras_dist._keras_compat._accumulation import (
+    _backend_apply_gradients,
+    _get_current_learning_rate,
+    _iterations,
+)
+from keras_dist._keras_compat._adapters import tf_dataset_adapter_init
+from keras_dist._keras_compat._host_values import _array
+from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
+from keras_dist._keras_compat._jax_seams import find as _find
+from keras_dist._keras_compat._layouts import distribute_tensor
+from keras_dist._keras_compat._loop import (
+    BATCH_HOOKS,
+    _batch_hook,
+    _distribute_data,
+    _enumerate_iterator,
+    _get_distributed_iterator,
+    _jit,
+    _layer_setattr,
+    _make_function,
+)
+from keras_dist._keras_compat._model import _entry_point, _step_builder
+from keras_dist._keras_compat._optimizer import (
+    _add_variable_from_reference,
+    _check_finite,
+    _stateless_apply,
+)
+from keras_dist._keras_compat._state import originals as _originals
+from keras_dist._keras_compat._variables import (
+    _assign,
+    _direct_assign,
+    _initialize_with_initializer,
+    variable_value,
+)
+from keras_dist._version import __version__
+
+# The Keras minor releases every seam was checked against (pyproject.toml pins
+# `keras>=3.15,<3.17`; `.ci/run` runs the suite on both).
+CHECKED_KERAS = ("3.15", "3.16")
+# The builds `.ci/run` tests: the release, and the nightly of the next minor
+# that `.ci/newest-stack.txt` pins.
+CHECKED_BUILDS = ("3.15.1", "keras-nightly 3.16.0.dev2026102704")
+ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
+
+_TRAINER = "keras.src.backend.jax.trainer"
+_CORE = "keras.src.backend.jax.core"
+_BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
+_ARRAYS = "keras.src.trainers.data_adapters"
+
+# Every private Keras name keras_dist uses, as (module, "Owner.name" or
+# "name", wrap): `install()` replaces it with `wrap(original)` and keeps the
+# original in `_originals` under the same key; `wrap=None`: only read.
+_SEAMS: tuple = (
+    (_TRAINER, "jit", lambda original: _jit),
+    (_TRAINER, "_distribute_data", lambda original: _distribute_data),
+    (
+        _TRAINER,
+        "JAXEpochIterator._get_distributed_iterator",
+        lambda original: _get_distributed_iterator,
+    ),
+    # Inherited from EpochIterator: set on the JAX subclass only.
+    (
+        _TRAINER,
+        "JAXEpochIterator._enumerate_iterator",
+        lambda original: _enumerate_iterator,
+    ),
+    (_TRAINER, "JAXTrainer._make_function", lambda original: _make_function),
+    *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
+    *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
+    (_TRAINER, "JAXTrainer.jax_state_sync", None),
+    (
+        _BASE_OPTIMIZER,
+        "BaseOptimizer.add_variable_from_reference",
+        _add_variable_from_reference,
+    ),
+    (_BASE_OPTIMIZER, "BaseOptimizer.stateless_apply", _stateless_apply),
+    (
+        _BASE_OPTIMIZER,
+        "BaseOptimizer._get_current_learning_rate",
+        _get_current_learning_rate,
+    ),
+    (_BASE_OPTIMIZER, "BaseOptimizer.iterations", _iterations),
+    (
+        "keras.src.backend.jax.optimizer",
+        "JaxOptimizer._backend_apply_gradients",
+        _backend_apply_gradients,
+    ),
+    (
+        "keras.src.optimizers.loss_scale_optimizer",
+        "LossScaleOptimizer.check_finite",
+        _check_finite,
+    ),
+    (_CORE, "JaxVariable._initialize_with_initializer", _initialize_with_initializer),
+    (_CORE, "JaxVariable._initialize_layout", None),
+    # _variables: the functions through which a value joins a computation.
+    (_CORE, "convert_to_tensor", None),
+    (_CORE, "JaxVariable.__jax_array__", None),
+    # `assign` is KerasVariable's: the wrapper is set on JaxVariable.
+    (_CORE, "JaxVariable.assign", _assign),
+    (_CORE, "JaxVariable._direct_assign", _direct_assign),
+    (_CORE, "JaxVariable.value", variable_value),
+    ("keras.src.backend.common.variables", "Variable.__array__", _array),
+    ("keras.src.initializers.random_initializers", "RandomInitializer", None),
+    ("keras.src.random.seed_generator", "draw_seed", None),
+    ("keras.src.utils.rng_utils", "get_random_seed", None),
+    ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
+    (_ARRAYS, "array_data_adapter.ArrayDataAdapter._get_iterator", None),
+    (_ARRAYS, "array_slicing.convert_to_sliceable", None),
+    (
+        f"{_ARRAYS}.tf_dataset_adapter",
+        "TFDatasetAdapter.__init__",
+        tf_dataset_adapter_init,
+    ),
+    ("keras.src.layers.layer", "Layer.__setattr__", _layer_setattr),
+    ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
+    *(
+        ("keras.src.callbacks.callback_list", f"CallbackList.{name}", _batch_hook(name))
+        for name in BATCH_HOOKS
+    ),
+)
+
+
+def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:
+    """(owner, attribute, value) of `module.path`, wherever the installed
+    Keras has it (`_releases.MOVED`); value None if missing."""
+    return _releases.locate(module_name, path)
+
+
+def seams() -> dict[str, Any]:
+    """The private Keras and JAX objects keras_dist relies on, by name.
+
+    Also the public Keras hooks the strategies override (`KERAS_HOOKS`) and
+    the private JAX names of the cluster layer (`JAX_PRIVATE`), as
+    `"module.Owner.name"`.
+
+    Raises:
+        ImportError: if a Keras or JAX release moved or removed one of them.
+    """
+    found = {path: _lookup(module, path)[2] for module, path, _ in _SEAMS}
+    missing = [name for name, obj in found.items() if obj is None]
+    hooks, missing_hooks = _find(KERAS_HOOKS)
+    missing += missing_hooks + _private.check()
+    originals = {path: _originals.get(path, obj) for path, obj in found.items()}
+    changed = _private.check_signatures(originals)
+    if missing or changed:
+        raise ImportError(
+            f"keras_dist {_version()} was checked against Keras "
+            f"{' and '.join(CHECKED_BUILDS)}; Keras {keras.__version__} no longer "
+            f"has {missing}{_changed(changed)}. {_pin_advice(keras.__version__)}"
+        )
+    private_jax, missing_jax = _find(JAX_PRIVATE)
+    if missing_jax:
+        raise ImportError(
+            f"keras_dist {_version()} was checked against JAX {CHECKED_JAX}.x to "
+            "0.12.x; "
+            f"JAX {jax.__version__} no longer has {missing_jax}. Install "
+            f"`jax>={CHECKED_JAX},<0.13` or upgrade keras_dist."
+        )
+    return {**found, **hooks, **private_jax}
+
+
+_KERAS_PIN = f"keras>={CHECKED_KERAS[0]},<3.{int(CHECKED_KERAS[-1][2:]) + 1}"
+
+
+def _pin_advice(installed: str) -> str:
+    """What to install instead of the Keras `installed`."""
+    if ".dev" in installed:
+        return (
+            f"This is a Keras nightly; the one checked is {CHECKED_BUILDS[-1]}: "
+            f"`pip install --no-deps {CHECKED_BUILDS[-1].replace(' ', '==')}`. "
+            f"Install `{_KERAS_PIN}` for the release, or upgrade keras_dist."
+        )
+    return f"Install `{_KERAS_PIN}` or upgrade keras_dist."
+
+
+def _changed(changed: list[str]) -> str:
+    return f", and changed the signatures of {changed}" if changed else ""
+
+
+def _version() -> str:
+    return __version__
+
+
+def install() -> None:
+    """Installs the seams described in the module docstring (idempotent)."""
+    if _originals:
+        return
+    seams()
+    for module, path, wrap in _SEAMS:
+        if wrap is None:
+            continue
+        owner, attribute, original = _lookup(module, path)
+        _originals[path] = original
+        setattr(owner, attribute, wrap(original))
