@@ -35,6 +35,7 @@ KERAS_TRAINER_TESTS = (
 
 
 @pytest.mark.slow
+@pytest.mark.keras_test_files
 @pytest.mark.parametrize("strategy", ["mirrored", "central_storage"])
 def test_keras_trainer_tests_pass_inside_the_strategy(strategy):
     trainer_test = os.path.join(

@@ -73,6 +73,7 @@ __all__ = [
     "_jit",
     "_layer_setattr",
     "_make_function",
+    "_maybe_symbolic_build",
     "current_strategy",
 ]
 
@@ -165,6 +166,26 @@ def _distribute_data(data, layouts=None, *args, **kwargs):
     if strategy is None:
         return _originals["_distribute_data"](data, layouts, *args, **kwargs)
     return keras_batch(strategy.placement, data)
+
+
+def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+    """The nightly's build of an unbuilt model before `fit`/`evaluate`.
+
+    It reads the adapter's first batch itself, around keras_dist's input
+    pipeline (its checks, the call's global batch size that callbacks read
+    in `on_train_begin`). Under a strategy the build reads the epoch
+    iterator instead, as Keras 3.15 builds (`_symbolic_build(iterator)`).
+    On Keras 3.15 this wraps `_symbolic_build` itself and passes through.
+    """
+    original = _originals["JAXTrainer._maybe_symbolic_build"]
+    if (
+        original.__name__ == "_symbolic_build"
+        or current_strategy() is None
+        or iterator is None
+        or data_batch is not None
+    ):
+        return original(self, iterator=iterator, data_batch=data_batch)
+    return self._symbolic_build(iterator=iterator)
 
 
 def _get_distributed_iterator(self, *distribution: Any):

@@ -92,7 +92,8 @@ PRIVATE_ATTRIBUTES: tuple = (
         "JAXTrainer",
         ("_jax_state", "_jax_state_synced"),
     ),
-    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch",)),  # _access
+    # _access (the epoch `fit` starts from); _loop (the nightly's build).
+    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch", "_symbolic_build")),
     (
         _OPTIMIZER,
         "BaseOptimizer",
@@ -169,6 +170,7 @@ SIGNATURES: dict[str, tuple] = {
     # The nightly's `_get_iterator` (`_releases.MOVED`) takes no distribution.
     "JAXEpochIterator._get_distributed_iterator": (("self", "distribution"), ("self",)),
     "JAXEpochIterator._enumerate_iterator": ("self",),
+    "JAXTrainer._maybe_symbolic_build": ("self", "iterator", "data_batch"),
     "JAXTrainer._make_function": (
         ("self", "step_function", "concatenate_outputs"),
         ("self", "step_function", "out_shardings", "concatenate_outputs"),

@@ -14,7 +14,8 @@ from typing import Any
 __all__ = ["MOVED", "find", "locate"]
 
 # A private name as Keras 3.15.1 has it -> where keras-nightly
-# 3.16.0.dev2026102704 has it (a prefix: a moved module moves its members).
+# 3.16.0.dev2026102704 has it (a prefix: a moved module moves its members);
+# the first that exists is used.
 MOVED: dict[str, str] = {
     "keras.src.backend.jax.core": "keras.src.backend.jax.ops.core",
     "keras.src.backend.jax.ops.core.JaxVariable": (
@@ -22,6 +23,12 @@ MOVED: dict[str, str] = {
     ),
     "keras.src.backend.jax.trainer.JAXTrainer": "keras.src.backend.jax.trainer.Trainer",
     "keras.src.trainers.trainer.Trainer": "keras.src.trainers.trainer.BaseTrainer",
+    # A name only the nightly has -> what Keras 3.15 calls in its place: the
+    # nightly's `fit`/`evaluate` build the model from the adapter's first
+    # batch (`_maybe_symbolic_build`), 3.15's from the epoch iterator.
+    "keras.src.backend.jax.trainer.JAXTrainer._maybe_symbolic_build": (
+        "keras.src.backend.jax.trainer.JAXTrainer._symbolic_build"
+    ),
     # The nightly builds the per-pass iterator in `_get_iterator` itself.
     "keras.src.backend.jax.trainer.JAXEpochIterator._get_distributed_iterator": (
         "keras.src.backend.jax.trainer.JAXEpochIterator._get_iterator"

@@ -120,6 +120,7 @@ from keras_dist._keras_compat._loop import (
     _jit,
     _layer_setattr,
     _make_function,
+    _maybe_symbolic_build,
 )
 from keras_dist._keras_compat._model import _entry_point, _step_builder
 from keras_dist._keras_compat._optimizer import (
@@ -175,6 +176,11 @@ _SEAMS: tuple = (
         lambda original: _enumerate_iterator,
     ),
     (_TRAINER, "JAXTrainer._make_function", lambda original: _make_function),
+    (
+        _TRAINER,
+        "JAXTrainer._maybe_symbolic_build",
+        lambda original: _maybe_symbolic_build,
+    ),
     *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
     *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
     (_TRAINER, "JAXTrainer.jax_state_sync", None),
