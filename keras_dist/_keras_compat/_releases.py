@@ -52,14 +52,16 @@ def _get(dotted: str) -> Any:
     return None
 
 
-def where(dotted: str) -> str:
+def where(dotted: str, _seen: frozenset = frozenset()) -> str:
     """The installed location of `dotted` (itself, or where it moved)."""
     if _get(dotted) is not None:
         return dotted
-    for old, new in MOVED.items():
-        if dotted == old or dotted.startswith(old + "."):
-            moved = new + dotted[len(old) :]
-            return where(moved) if moved != dotted else dotted
+    # The longest moved prefix first: a moved method before its moved class.
+    for old in sorted(MOVED, key=len, reverse=True):
+        if (dotted == old or dotted.startswith(old + ".")) and old not in _seen:
+            moved = where(MOVED[old] + dotted[len(old) :], _seen | {old})
+            if _get(moved) is not None:
+                return moved
     return dotted
 
 
