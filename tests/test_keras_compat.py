@@ -35,7 +35,7 @@ def test_every_seam_exists_with_the_expected_signature():
     # The nightly also takes `is_super_batch` (steps_per_execution's stacks).
     assert list(params) in (["data", "layouts"], ["data", "layouts", "is_super_batch"])
     for name in _keras_compat.STEP_BUILDERS:
-        original = _keras_compat._originals[f"JAXTrainer.{name}"]
+        original = _keras_compat._originals[f"Model.{name}"]
         assert list(inspect.signature(original).parameters) == ["self", "force"]
 
 
@@ -43,7 +43,6 @@ def test_seams_are_installed_once_by_the_first_strategy():
     kd.OneDeviceStrategy("cpu:0")
     from keras.src.backend.jax import trainer
 
-    jax_trainer = find("keras.src.backend.jax.trainer.JAXTrainer")
     assert trainer.jit is _keras_compat._jit
     assert trainer._distribute_data is _keras_compat._distribute_data
     assert (
@@ -51,13 +50,10 @@ def test_seams_are_installed_once_by_the_first_strategy():
         is _keras_compat._get_distributed_iterator
     )
     for name in (*_keras_compat.ENTRY_POINTS, *_keras_compat.STEP_BUILDERS):
-        wrapped = getattr(jax_trainer, name)
-        assert (
-            wrapped._keras_dist_wrapped
-            is _keras_compat._originals[f"JAXTrainer.{name}"]
-        )
+        wrapped = getattr(keras.Model, name)  # The trainer's, by a public name.
+        assert wrapped._keras_dist_wrapped is _keras_compat._originals[f"Model.{name}"]
     _keras_compat.install()  # Idempotent: no double wrapping.
-    assert not hasattr(jax_trainer.fit._keras_dist_wrapped, "_keras_dist_wrapped")
+    assert not hasattr(keras.Model.fit._keras_dist_wrapped, "_keras_dist_wrapped")
 
 
 def test_keras_compiles_steps_through_the_wrapped_jit(monkeypatch):

@@ -81,9 +81,9 @@ def set_initial_epoch(model: Any, epoch: int | None) -> None:
 
 def global_seed() -> int | None:
     """The seed `keras.utils.set_random_seed` set, if any."""
-    from keras.src.utils import rng_utils
+    from keras.src.utils.rng_utils import get_random_seed
 
-    return rng_utils.get_random_seed()
+    return get_random_seed()
 
 
 def sync_state(model) -> None:

@@ -26,8 +26,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
-from keras.src import tree
-from keras.src.trainers.data_adapters import array_slicing
+from keras.src.trainers.data_adapters.array_slicing import convert_to_sliceable
 
 from keras_dist._keras_compat._wrapped import marked
 from keras_dist.data import _call
@@ -56,7 +55,7 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
     if type(adapter).__name__ != ARRAY_ADAPTER or strategy.num_processes > 1:
         return None
     options = strategy.input_options
-    leaves = [leaf for leaf in tree.flatten(adapter._inputs) if leaf is not None]
+    leaves = [leaf for leaf in keras.tree.flatten(adapter._inputs) if leaf is not None]
     if options.device_resident is False or not all(map(_is_dense, leaves)):
         return None
     call = _call.active()
@@ -146,11 +145,9 @@ def _bytes_of(leaf: Any) -> int:
 
 def _rows(adapter: Any) -> Any:
     """Every row of the adapter's input, as its batches have them."""
-    sliceables = array_slicing.convert_to_sliceable(
-        adapter._inputs, target_backend="jax"
-    )
+    sliceables = convert_to_sliceable(adapter._inputs, target_backend="jax")
     everything = slice(0, adapter._num_samples)
-    return tree.map_structure(
+    return keras.tree.map_structure(
         lambda s: s.convert_to_jax_compatible(s[everything]),
         sliceables,
         none_is_leaf=False,

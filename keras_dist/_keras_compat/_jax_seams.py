@@ -2,8 +2,8 @@
 
 Both are checked by `seams()` (with the private Keras names of `_SEAMS`): a
 JAX or Keras release that moves one fails at import with its name, instead
-of in the middle of training. `jax` is pinned to the minor release these
-were checked against (pyproject.toml).
+of in the middle of training. `jax` is pinned to the minor releases these
+were checked against (pyproject.toml: 0.10 to 0.12).
 """
 
 import importlib
@@ -13,12 +13,15 @@ __all__ = ["CHECKED_JAX", "JAX_PRIVATE", "KERAS_HOOKS", "find"]
 
 CHECKED_JAX = "0.10"
 
-# (module, "Owner.name"): private JAX names used outside this package (the
-# cluster layer reads them before any device starts).
+# (module, "Owner.name"): private JAX names `_jax_private.py` reads for the
+# cluster layer, before any device starts. JAX has no public route to any:
+# its coordination client (keras_dist's exchanges between processes, with
+# timeouts), whether its backends started (a cluster must be joined first),
+# and its own cluster detection without starting a device (TPU pods).
 JAX_PRIVATE: tuple = (
-    ("jax._src.distributed", "global_state"),  # .client: cluster/_initialize, _sync
-    ("jax._src.xla_bridge", "_backends"),  # _backend.backend_started
-    ("jax._src.clusters", "ClusterEnv._cluster_types"),  # cluster/_environment
+    ("jax._src.distributed", "global_state"),  # coordination_client
+    ("jax._src.xla_bridge", "_backends"),  # backends_started
+    ("jax._src.clusters", "ClusterEnv._cluster_types"),  # jax_detects_cluster
     ("jax._src.clusters.cloud_tpu_cluster", "GkeTpuCluster.is_env_present"),
     ("jax._src.clusters.cloud_tpu_cluster", "GceTpuCluster.get_process_count"),
     ("jax._src.clusters.cloud_tpu_cluster", "GceTpuCluster.get_process_id"),

@@ -47,7 +47,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-from keras.src.backend.config import is_nnx_enabled
 from keras.src.utils.python_utils import is_default
 
 from keras_dist._keras_compat._adapters import (
@@ -315,7 +314,7 @@ def _layer_setattr(original: Callable) -> Callable:
         if (
             name == "_jax_state"
             and current_strategy() is not None
-            and not is_nnx_enabled()
+            and not keras.config.is_nnx_enabled()
         ):
             object.__setattr__(self, name, value)
             return

@@ -38,22 +38,37 @@ __all__ = [
 
 _OPTIMIZER = "keras.src.optimizers.base_optimizer"
 
+# Each with the reason no public route exists in Keras 3.15.1 and the nightly.
 PRIVATE_IMPORTS: tuple = (
-    ("keras.src", "tree"),  # _adapters: `none_is_leaf`, as Keras's adapters.
-    ("keras.src.trainers.data_adapters", "array_slicing"),  # _adapters
-    ("keras.src.backend.config", "is_nnx_enabled"),  # _loop
-    ("keras.src.utils.python_utils", "is_default"),  # _loop
-    ("keras.src.initializers.random_initializers", "RandomInitializer"),  # _variables
-    ("keras.src.random.seed_generator", "draw_seed"),  # _variables
-    ("keras.src.utils", "rng_utils"),  # global_seed
-    ("keras.src.backend.common.variables", "Variable"),  # _variables
-    ("jax._src", "clusters"),  # cluster/_environment
-    ("jax._src.clusters", "cloud_tpu_cluster"),  # cluster/_tpu_devices
-    ("jax._src", "distributed"),  # cluster/_initialize, _sync
-    ("jax._src", "xla_bridge"),  # cluster/_initialize
-    ("tensorflow.python.data.experimental.ops", "distribute"),  # data/_auto_shard
-    ("tensorflow.python.data.ops", "dataset_ops"),  # data/_tf_data
-    # _saving, _weights_h5: Keras's own file writers, fed from a snapshot.
+    # _adapters: Keras's own conversion of in-memory arrays for JAX, so that
+    # device-resident data holds exactly what Keras's batches would.
+    ("keras.src.trainers.data_adapters.array_slicing", "convert_to_sliceable"),
+    # _loop: whether a callback overrides a hook (Keras marks its no-op
+    # defaults with `@default`, and exports no test for the mark).
+    ("keras.src.utils.python_utils", "is_default"),
+    # _variables: initializers' seeds as Keras draws them (split variables
+    # made in parts give Keras's values); no public seed drawing.
+    ("keras.src.initializers.random_initializers", "RandomInitializer"),
+    ("keras.src.random.seed_generator", "draw_seed"),
+    # _access.global_seed: whether `keras.utils.set_random_seed` was called
+    # (processes then need not agree on one); no public getter.
+    ("keras.src.utils.rng_utils", "get_random_seed"),
+    # _variables: the class whose operators read a variable's value into a
+    # computation (`keras.Variable` is its backend subclass).
+    ("keras.src.backend.common.variables", "Variable"),
+    # _jax_private: JAX's cluster detection, coordination client and backend
+    # state, read before any device starts; no public API.
+    ("jax._src", "clusters"),
+    ("jax._src.clusters", "cloud_tpu_cluster"),
+    ("jax._src", "distributed"),
+    ("jax._src", "xla_bridge"),
+    # _tf_private: tf.distribute's file sharding and a pipeline's inputs,
+    # which tf.data does not export.
+    ("tensorflow.python.data.experimental.ops", "distribute"),
+    ("tensorflow.python.data.ops", "dataset_ops"),
+    # _saving, _weights_h5: Keras's own file writers, fed from a host
+    # snapshot (the public `save` reads the live variables on the training
+    # thread). Replaced by Keras's public saving in the checkpoint rework.
     *(
         ("keras.src.saving.saving_lib", name)
         for name in (
@@ -72,28 +87,42 @@ PRIVATE_IMPORTS: tuple = (
 )
 
 PRIVATE_ATTRIBUTES: tuple = (
+    # _adapters: the arrays and batching of Keras's array adapter, for data
+    # laid out on the devices once (the adapter exposes only its batches).
     (
         "keras.src.trainers.data_adapters.array_data_adapter",
         "ArrayDataAdapter",
         ("_inputs", "_batch_size", "_shuffle", "_num_samples", "_get_iterator"),
     ),
+    # _adapters: the dataset Keras's tf.data adapter reads, replaced by this
+    # process's share (Keras 3.16 dropped the distribution hook for it).
     (
         "keras.src.trainers.data_adapters.tf_dataset_adapter",
         "TFDatasetAdapter",
         ("_dataset",),
     ),
+    # _variables, _access: a variable's stored array, its layout and Keras's
+    # layout step (split variables made in parts, host-memory state); a
+    # variable exposes only its value, which reading may transfer.
     (
         "keras.src.backend.jax.core",
         "JaxVariable",
         ("_value", "_dtype", "_shape", "_layout", "_initialize_layout"),
     ),
+    # _access.sync_state, _loop: the state Keras's loop holds between steps
+    # (callbacks must see it written back; no public test of it).
     (
         "keras.src.backend.jax.trainer",
         "JAXTrainer",
         ("_jax_state", "_jax_state_synced"),
     ),
-    # _access (the epoch `fit` starts from); _loop (the nightly's build).
+    # _access: the epoch `fit` starts from (Keras's `BackupAndRestore` sets
+    # it so); _loop: the nightly's build of an unbuilt model from batches.
     ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch", "_symbolic_build")),
+    # _access: the learning-rate object (the public `learning_rate` is its
+    # evaluated value, and its setter untracks the variable and cannot put
+    # it back over a schedule), the micro-step counter and accumulators of
+    # gradient accumulation, and tracking a new optimizer variable.
     (
         _OPTIMIZER,
         "BaseOptimizer",
@@ -106,13 +135,15 @@ PRIVATE_ATTRIBUTES: tuple = (
             "_trainable_variables",
         ),
     ),
+    # _hooks: a training batch's statistics, computed per replica or over all
+    # replicas; Keras computes them in this private step of `call`.
     (
         "keras.src.layers.normalization.batch_normalization",
         "BatchNormalization",
         ("_moments", "_reduction_axes"),
     ),
-    ("jax._src.clusters", "ClusterEnv", ("_cluster_types",)),
-    # _weights_h5 makes `.weights.h5` datasets in H5IOStore's current group.
+    # _weights_h5 makes `.weights.h5` datasets in H5IOStore's current group
+    # (replaced by Keras's public saving in the checkpoint rework).
     (
         "keras.src.saving.saving_lib",
         "H5IOStore",
@@ -123,13 +154,15 @@ PRIVATE_ATTRIBUTES: tuple = (
             "_h5_entry_path",
         ),
     ),
-    # _orbax_private: the v1 Checkpointer's v0 manager (its preemption query).
+    # _orbax_private: the v1 Checkpointer's v0 manager, whose preemption
+    # query (a collective at every save) has no public switch.
     (
         "orbax.checkpoint.experimental.v1._src.training.checkpointer",
         "Checkpointer",
         ("_manager",),
     ),
-    # _hooks.ModelCheckpointHooks overrides `_save_model` and calls the others.
+    # _hooks.ModelCheckpointHooks: the save Keras's `ModelCheckpoint` decides
+    # on, made in the background; Keras's file name and save decision.
     (
         "keras.src.callbacks.model_checkpoint",
         "ModelCheckpoint",
@@ -175,7 +208,7 @@ SIGNATURES: dict[str, tuple] = {
         ("self", "step_function", "concatenate_outputs"),
         ("self", "step_function", "out_shardings", "concatenate_outputs"),
     ),
-    "JAXTrainer.fit": (
+    "Model.fit": (
         "self",
         "x",
         "y",
@@ -194,7 +227,7 @@ SIGNATURES: dict[str, tuple] = {
         "validation_batch_size",
         "validation_freq",
     ),
-    "JAXTrainer.evaluate": (
+    "Model.evaluate": (
         "self",
         "x",
         "y",
@@ -206,8 +239,8 @@ SIGNATURES: dict[str, tuple] = {
         "return_dict",
         "kwargs",
     ),
-    "JAXTrainer.predict": ("self", "x", "batch_size", "verbose", "steps", "callbacks"),
-    "JAXTrainer.train_on_batch": (
+    "Model.predict": ("self", "x", "batch_size", "verbose", "steps", "callbacks"),
+    "Model.train_on_batch": (
         "self",
         "x",
         "y",
@@ -215,31 +248,31 @@ SIGNATURES: dict[str, tuple] = {
         "class_weight",
         "return_dict",
     ),
-    "JAXTrainer.test_on_batch": ("self", "x", "y", "sample_weight", "return_dict"),
-    "JAXTrainer.predict_on_batch": ("self", "x"),
-    "JAXTrainer.make_train_function": ("self", "force"),
-    "JAXTrainer.make_test_function": ("self", "force"),
-    "JAXTrainer.make_predict_function": ("self", "force"),
-    "BaseOptimizer.add_variable_from_reference": (
+    "Model.test_on_batch": ("self", "x", "y", "sample_weight", "return_dict"),
+    "Model.predict_on_batch": ("self", "x"),
+    "Model.make_train_function": ("self", "force"),
+    "Model.make_test_function": ("self", "force"),
+    "Model.make_predict_function": ("self", "force"),
+    "Optimizer.add_variable_from_reference": (
         "self",
         "reference_variable",
         "name",
         "initializer",
     ),
-    "BaseOptimizer.stateless_apply": (
+    "Optimizer.stateless_apply": (
         "self",
         "optimizer_variables",
         "grads",
         "trainable_variables",
     ),
     "BaseOptimizer._get_current_learning_rate": ("self",),
-    "BaseOptimizer.iterations": ("self",),
+    "Optimizer.iterations": ("self",),
     "JaxOptimizer._backend_apply_gradients": ("self", "grads", "trainable_variables"),
     "LossScaleOptimizer.check_finite": ("self", "grads"),
     "JaxVariable._initialize_with_initializer": ("self", "initializer"),
-    "JaxVariable.assign": ("self", "value"),
+    "Variable.assign": ("self", "value"),
     "JaxVariable._direct_assign": ("self", "value"),
-    "JaxVariable.value": ("self",),
+    "Variable.value": ("self",),
     "Variable.__array__": ("self", "dtype"),
     "TFDatasetAdapter.__init__": ("self", "dataset", "class_weight", "distribution"),
     "Layer.__setattr__": ("self", "name", "value"),

@@ -158,10 +158,16 @@ _CORE = "keras.src.backend.jax.core"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
 _ARRAYS = "keras.src.trainers.data_adapters"
 
-# Every private Keras name keras_dist uses, as (module, "Owner.name" or
-# "name", wrap): `install()` replaces it with `wrap(original)` and keeps the
-# original in `_originals` under the same key; `wrap=None`: only read.
+# What keras_dist wraps or reads, as (module, "Owner.name" or "name", wrap):
+# `install()` replaces it with `wrap(original)` and keeps the original in
+# `_originals` under the same key; `wrap=None`: only read. Public Keras names
+# where a public route reaches the same function (`keras.Model.fit` is the
+# trainer's `fit`); a private name only where none does, with the reason.
 _SEAMS: tuple = (
+    # The trainer's loop: Keras compiles its steps with the module's `jit`
+    # and lays batches out in module functions no public API reaches; the
+    # per-pass iterator, the epoch loop, the step loop and the nightly's
+    # build of an unbuilt model are private methods Keras calls itself.
     (_TRAINER, "jit", lambda original: _jit),
     (_TRAINER, "_distribute_data", lambda original: _distribute_data),
     (
@@ -181,59 +187,65 @@ _SEAMS: tuple = (
         "JAXTrainer._maybe_symbolic_build",
         lambda original: _maybe_symbolic_build,
     ),
-    *((_TRAINER, f"JAXTrainer.{name}", _entry_point) for name in ENTRY_POINTS),
-    *((_TRAINER, f"JAXTrainer.{name}", _step_builder) for name in STEP_BUILDERS),
-    (_TRAINER, "JAXTrainer.jax_state_sync", None),
+    # Public: a model's entry points and step builders, and the state sync.
+    *(("keras", f"Model.{name}", _entry_point) for name in ENTRY_POINTS),
+    *(("keras", f"Model.{name}", _step_builder) for name in STEP_BUILDERS),
+    ("keras", "Model.jax_state_sync", None),
+    # Public: the optimizer's slots, update and counter.
     (
-        _BASE_OPTIMIZER,
-        "BaseOptimizer.add_variable_from_reference",
+        "keras.optimizers",
+        "Optimizer.add_variable_from_reference",
         _add_variable_from_reference,
     ),
-    (_BASE_OPTIMIZER, "BaseOptimizer.stateless_apply", _stateless_apply),
+    ("keras.optimizers", "Optimizer.stateless_apply", _stateless_apply),
+    ("keras.optimizers", "Optimizer.iterations", _iterations),
+    ("keras.optimizers", "LossScaleOptimizer.check_finite", _check_finite),
+    # Private: the rate a schedule gives at a step and the update of one
+    # step, which Keras calls itself (gradient accumulation as documented).
     (
         _BASE_OPTIMIZER,
         "BaseOptimizer._get_current_learning_rate",
         _get_current_learning_rate,
     ),
-    (_BASE_OPTIMIZER, "BaseOptimizer.iterations", _iterations),
     (
         "keras.src.backend.jax.optimizer",
         "JaxOptimizer._backend_apply_gradients",
         _backend_apply_gradients,
     ),
-    (
-        "keras.src.optimizers.loss_scale_optimizer",
-        "LossScaleOptimizer.check_finite",
-        _check_finite,
-    ),
+    # Private: how a new variable gets its value and how an assignment is
+    # stored, which Keras calls itself (split variables made in parts).
     (_CORE, "JaxVariable._initialize_with_initializer", _initialize_with_initializer),
-    (_CORE, "JaxVariable._initialize_layout", None),
-    # _variables: the functions through which a value joins a computation.
-    (_CORE, "convert_to_tensor", None),
-    (_CORE, "JaxVariable.__jax_array__", None),
-    # `assign` is KerasVariable's: the wrapper is set on JaxVariable.
-    (_CORE, "JaxVariable.assign", _assign),
     (_CORE, "JaxVariable._direct_assign", _direct_assign),
-    (_CORE, "JaxVariable.value", variable_value),
-    ("keras.src.backend.common.variables", "Variable.__array__", _array),
-    ("keras.src.initializers.random_initializers", "RandomInitializer", None),
-    ("keras.src.random.seed_generator", "draw_seed", None),
-    ("keras.src.utils.rng_utils", "get_random_seed", None),
-    ("keras.src.utils.jax_utils", "is_in_jax_tracing_scope", None),
-    (_ARRAYS, "array_data_adapter.ArrayDataAdapter._get_iterator", None),
-    (_ARRAYS, "array_slicing.convert_to_sliceable", None),
+    # Private: the conversion through which a variable's value joins a
+    # computation (`_variables.joining_functions`).
+    (_CORE, "convert_to_tensor", None),
+    # Public: a variable's assignment, value and host copy.
+    ("keras", "Variable.assign", _assign),
+    ("keras", "Variable.value", variable_value),
+    ("keras", "Variable.__array__", _array),
+    # Private: the dataset Keras's tf.data adapter reads (per process).
     (
         f"{_ARRAYS}.tf_dataset_adapter",
         "TFDatasetAdapter.__init__",
         tf_dataset_adapter_init,
     ),
-    ("keras.src.layers.layer", "Layer.__setattr__", _layer_setattr),
-    ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
+    # Public: the loop's state between steps, and its per-step callbacks.
+    ("keras.layers", "Layer.__setattr__", _layer_setattr),
     *(
-        ("keras.src.callbacks.callback_list", f"CallbackList.{name}", _batch_hook(name))
+        ("keras.callbacks", f"CallbackList.{name}", _batch_hook(name))
         for name in BATCH_HOOKS
     ),
+    # Private: the function Keras and libraries lay tensors out with (the
+    # public `keras.distribution.distribute_tensor` calls it by module).
+    ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
 )
+
+PRIVATE_MODULES = ("keras.src", "jax._src", "tensorflow.python", "orbax")
+
+
+def private_seams() -> tuple:
+    """The entries of `_SEAMS` that name a private module's function."""
+    return tuple(entry for entry in _SEAMS if entry[0].startswith(PRIVATE_MODULES))
 
 
 def _lookup(module_name: str, path: str) -> tuple[Any, str, Any]:

@@ -55,7 +55,6 @@ import numpy as np
 from keras.src.backend.common.variables import Variable
 from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
-from keras.src.utils.jax_utils import is_in_jax_tracing_scope
 
 from keras_dist._keras_compat import _releases
 from keras_dist._keras_compat._wrapped import marked
@@ -241,7 +240,7 @@ def joining_functions() -> tuple[Callable, ...]:
     )
     return (
         _releases.find(f"{_CORE}.convert_to_tensor"),
-        _releases.find(f"{_CORE}.JaxVariable.__jax_array__"),
+        keras.Variable.__jax_array__,
         *operators,
     )
 
@@ -270,15 +269,18 @@ def variable_value(value: property) -> property:
             return result
         frame = inspect.currentframe()
         caller = frame.f_back if frame is not None else None
-        if not is_in_jax_tracing_scope() and (
-            caller is None or caller.f_code not in _JOINING
-        ):
+        if not _tracing() and (caller is None or caller.f_code not in _JOINING):
             return result  # Read as stored: by a user, the trainer, saving.
         # Also a traced read (its autocast included): a transfer in the program.
         return jax.device_put(result, stored.sharding.with_memory_kind(_DEVICE))
 
     marked(value_for_reader, read)
     return property(value_for_reader, value.fset, value.fdel, value.__doc__)
+
+
+def _tracing() -> bool:
+    """Whether JAX is tracing here (a new array is then a tracer)."""
+    return isinstance(jax.numpy.ones(()), jax.core.Tracer)
 
 
 def _in_device_memory(value) -> bool:

@@ -560,7 +560,7 @@ def test_from_preset_in_the_scope_loads_each_weight_in_parts(tmp_path, monkeypat
 
     before, whole_before = on_device()  # Other tests' arrays, in this process.
     seen, new_whole = [], set()
-    assign = JaxVariable.assign
+    assign = keras.Variable.assign
 
     def observed(variable, value):
         named, whole = on_device()
@@ -569,7 +569,7 @@ def test_from_preset_in_the_scope_loads_each_weight_in_parts(tmp_path, monkeypat
         assign(variable, value)
         seen.append(on_device()[0])
 
-    monkeypatch.setattr(JaxVariable, "assign", observed)
+    monkeypatch.setattr(keras.Variable, "assign", observed)
     with strategy.scope(), jax.transfer_guard_device_to_device("disallow_explicit"):
         loaded = keras_hub.models.GemmaBackbone.from_preset(str(tmp_path))
     monkeypatch.undo()

@@ -98,7 +98,7 @@ def test_keras_assign_trips_the_guard(tmp_path, monkeypatch):
     _model().save_weights(tmp_path / "m.weights.h5")
     with STRATEGIES["fsdp"]().scope():
         model = _model()
-    monkeypatch.setattr(JaxVariable, "assign", originals["JaxVariable.assign"])
+    monkeypatch.setattr(keras.Variable, "assign", originals["Variable.assign"])
     with pytest.raises(ValueError, match="Disallowed device-to-device transfer"):
         with jax.transfer_guard_device_to_device(NO_DEVICE_TO_DEVICE):
             model.load_weights(tmp_path / "m.weights.h5")
