@@ -272,7 +272,8 @@ def _install_namespace(source: str) -> dict:
 def _pattern(source: str) -> str:
     """The install cell without what it installs."""
     source = re.sub(r'^REQUIREMENT = ".*?"', "REQUIREMENT = ...", source, flags=re.M)
-    return re.sub(r"^OTHERS = \[.*?\]", "OTHERS = ...", source, flags=re.M)
+    source = re.sub(r"^NO_DEPS = \[.*?\]", "NO_DEPS = ...", source, flags=re.M)
+    return re.sub(r"^OTHERS = \[.*?\].*$", "OTHERS = ...", source, flags=re.M)
 
 
 def _distribution(requirement: str) -> str:
@@ -280,8 +281,11 @@ def _distribution(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _installed_with(requirement: str, others: list[str]) -> set[str]:
-    """The distributions `pip install requirement *others` brings (per metadata)."""
+def _installed_with(
+    requirement: str, others: list[str], no_deps: tuple[str, ...] = ()
+) -> set[str]:
+    """The distributions `pip install requirement *others` brings (per
+    metadata), and `no_deps` (installed with `--no-deps`: alone)."""
     extras = re.search(r"\[(.*)\]", requirement)
     wanted = list(PROJECT["dependencies"]) + list(others)
     for extra in extras[1].split(",") if extras else []:
@@ -298,7 +302,7 @@ def _installed_with(requirement: str, others: list[str]) -> set[str]:
         except importlib.metadata.PackageNotFoundError:
             continue
         todo += [_distribution(r) for r in requires if "extra ==" not in r]
-    return seen
+    return seen | {_distribution(r) for r in no_deps}
 
 
 def _imported_modules(nb) -> set[str]:
@@ -363,10 +367,23 @@ def test_install_cell_installs_from_the_index_then_the_repository(name):
 
 @pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
+def test_install_cell_keeps_the_installed_jax(name):
+    """pip runs with the installed JAX pinned (Colab's, and its libtpu)."""
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    env = _install_namespace(_install_cell(nb))["keep_installed_jax"]()
+    pins = pathlib.Path(env["PIP_CONSTRAINT"]).read_text().split()
+    for package in ("jax", "jaxlib"):
+        assert f"{package}=={importlib.metadata.version(package)}" in pins, pins
+
+
+@pytest.mark.source_checks
+@pytest.mark.parametrize("name", NAMES)
 def test_install_cell_brings_every_package_the_notebook_imports(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     namespace = _install_namespace(_install_cell(nb))
-    installed = _installed_with(namespace["REQUIREMENT"], namespace["OTHERS"])
+    installed = _installed_with(
+        namespace["REQUIREMENT"], namespace["OTHERS"], namespace["NO_DEPS"]
+    )
     modules = importlib.metadata.packages_distributions()
     missing = {
         module: modules.get(module)
