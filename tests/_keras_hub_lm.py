@@ -80,6 +80,20 @@ def gemma(proto):
     return model
 
 
+def llama(vocabulary_size, seed=1):
+    """A tiny keras-hub Llama (grouped-query attention), no preprocessor."""
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=vocabulary_size,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,  # Grouped-query attention.
+        hidden_dim=64,
+        intermediate_dim=128,
+    )
+    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+
+
 def compile_lm(model, sampler):
     model.compile(
         optimizer=keras.optimizers.Adam(1e-2),

@@ -114,3 +114,26 @@ def test_callback_seams_exist():
     optimizer = keras.optimizers.Adam(0.1)
     assert isinstance(optimizer._learning_rate, keras.Variable)
     assert hasattr(optimizer, "_track_variable")
+
+
+def test_a_moved_name_is_found_where_the_installed_keras_has_it():
+    """`_releases.where`: the name itself, else where the nightly moved it
+    (the longest moved prefix first: a moved method before its moved class)."""
+    from keras_dist._keras_compat._releases import MOVED, where
+
+    trainer = "keras.src.backend.jax.trainer"
+    build = where(f"{trainer}.JAXTrainer._symbolic_build")
+    assert build in (
+        f"{trainer}.JAXTrainer._symbolic_build",  # Keras 3.15
+        f"{trainer}.Trainer._maybe_symbolic_build",  # The nightly.
+    )
+    for name in (  # Keras 3.15's names of what the nightly moved.
+        "keras.src.backend.jax.core",
+        "keras.src.backend.jax.core.JaxVariable",
+        f"{trainer}.JAXTrainer",
+        f"{trainer}.JAXEpochIterator._get_distributed_iterator",
+        "keras.src.trainers.trainer.Trainer",
+    ):
+        assert name in MOVED or name.startswith("keras.src.backend.jax.core")
+        assert find(name) is not None, name
+    assert where("keras.src.no_such_module.Name") == "keras.src.no_such_module.Name"

@@ -174,9 +174,10 @@ def _maybe_symbolic_build(self, iterator=None, data_batch=None):
     pipeline (its checks, the call's global batch size that callbacks read
     in `on_train_begin`). Under a strategy the build reads the epoch
     iterator instead, as Keras 3.15 builds (`_symbolic_build(iterator)`).
-    On Keras 3.15 this wraps `_symbolic_build` itself and passes through.
+    On Keras 3.15 this wraps `_symbolic_build` itself (`_releases.MOVED`)
+    and passes through.
     """
-    original = _originals["JAXTrainer._maybe_symbolic_build"]
+    original = _originals["JAXTrainer._symbolic_build"]
     if (
         original.__name__ == "_symbolic_build"
         or current_strategy() is None

@@ -203,7 +203,7 @@ SIGNATURES: dict[str, tuple] = {
     # The nightly's `_get_iterator` (`_releases.MOVED`) takes no distribution.
     "JAXEpochIterator._get_distributed_iterator": (("self", "distribution"), ("self",)),
     "JAXEpochIterator._enumerate_iterator": ("self",),
-    "JAXTrainer._maybe_symbolic_build": ("self", "iterator", "data_batch"),
+    "JAXTrainer._symbolic_build": ("self", "iterator", "data_batch"),
     "JAXTrainer._make_function": (
         ("self", "step_function", "concatenate_outputs"),
         ("self", "step_function", "out_shardings", "concatenate_outputs"),

@@ -23,11 +23,10 @@ MOVED: dict[str, str] = {
     ),
     "keras.src.backend.jax.trainer.JAXTrainer": "keras.src.backend.jax.trainer.Trainer",
     "keras.src.trainers.trainer.Trainer": "keras.src.trainers.trainer.BaseTrainer",
-    # A name only the nightly has -> what Keras 3.15 calls in its place: the
-    # nightly's `fit`/`evaluate` build the model from the adapter's first
-    # batch (`_maybe_symbolic_build`), 3.15's from the epoch iterator.
-    "keras.src.backend.jax.trainer.JAXTrainer._maybe_symbolic_build": (
-        "keras.src.backend.jax.trainer.JAXTrainer._symbolic_build"
+    # The build of an unbuilt model that `fit`/`evaluate` call: 3.15's reads
+    # the epoch iterator, the nightly's the adapter's first batch.
+    "keras.src.backend.jax.trainer.JAXTrainer._symbolic_build": (
+        "keras.src.backend.jax.trainer.Trainer._maybe_symbolic_build"
     ),
     # The nightly builds the per-pass iterator in `_get_iterator` itself.
     "keras.src.backend.jax.trainer.JAXEpochIterator._get_distributed_iterator": (

@@ -184,7 +184,7 @@ _SEAMS: tuple = (
     (_TRAINER, "JAXTrainer._make_function", lambda original: _make_function),
     (
         _TRAINER,
-        "JAXTrainer._maybe_symbolic_build",
+        "JAXTrainer._symbolic_build",
         lambda original: _maybe_symbolic_build,
     ),
     # Public: a model's entry points and step builders, and the state sync.

@@ -141,16 +141,7 @@ def test_fit_on_raw_strings_equals_one_device(strings_reference, proto, make):
 
 
 def _llama():
-    keras.utils.set_random_seed(2)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=lm.VOCAB,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,
-        hidden_dim=64,
-        intermediate_dim=128,
-    )
-    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    return lm.llama(lm.VOCAB, seed=2)
 
 
 def _bart():

