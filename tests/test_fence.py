@@ -11,6 +11,7 @@ tables declare (`keras_dist/_keras_compat/_private.py`, `_SEAMS`,
 """
 
 import ast
+import functools
 import importlib
 import pathlib
 
@@ -157,6 +158,12 @@ def _used(trees) -> tuple[dict[str, list[str]], dict[tuple, list[str]]]:
     return attributes, imports
 
 
+@functools.cache
+def _package_uses() -> tuple[dict, dict]:
+    """`_used` of keras_dist's own tree, read once for the tests below."""
+    return _used(_trees())
+
+
 def _declared_attributes() -> set[str]:
     declared = set()
     for _, _, names in (*_private.PRIVATE_ATTRIBUTES, *_private.TF_PRIVATE_ATTRIBUTES):
@@ -172,7 +179,7 @@ def _declared_attributes() -> set[str]:
 
 
 def test_every_private_name_keras_dist_uses_is_in_the_tables():
-    attributes, imports = _used(_trees())
+    attributes, imports = _package_uses()
     unlisted = {n: w for n, w in attributes.items() if n not in _declared_attributes()}
     assert not unlisted, (
         "Private names of other packages used but not declared in "
@@ -188,7 +195,7 @@ def test_every_private_name_keras_dist_uses_is_in_the_tables():
 def test_no_private_name_of_another_package_is_used_outside_the_fence():
     """Keras's, JAX's, TensorFlow's and Orbax's private names are used only in
     `keras_dist/_keras_compat/`: the other layers call its accessors."""
-    attributes, imports = _used(_trees())
+    attributes, imports = _package_uses()
     used = {
         **attributes,
         **{f"{module}.{name}": w for (module, name), w in imports.items()},
@@ -201,7 +208,7 @@ def test_no_private_name_of_another_package_is_used_outside_the_fence():
 
 
 def test_the_tables_list_nothing_the_code_no_longer_uses():
-    attributes, imports = _used(_trees())
+    attributes, imports = _package_uses()
     listed = {
         name
         for _, _, names in (

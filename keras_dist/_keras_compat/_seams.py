@@ -1,15 +1,21 @@
-"""The one package where keras_dist reaches into private Keras code.
+"""The seams: what keras_dist changes in Keras, and the tables of names.
 
 Everything else plugs into public Keras API: strategies subclass
 `keras.distribution.DataParallel`, so Keras itself creates variables
-replicated on the mesh and lays batches out over it. Three things the public
-API cannot express are done here, on Keras's JAX trainer
-(`keras.src.backend.jax.trainer`), checked against the Keras minor releases
-`CHECKED_KERAS` (3.15 and the 3.16 dev build):
+replicated on the mesh and lays batches out over it. What the public API
+cannot express is done here, on Keras's JAX trainer
+(`keras.src.backend.jax.trainer`), checked against the builds
+`CHECKED_BUILDS` (Keras 3.15.1 and keras-nightly 3.16.0.dev2026102704; a
+name the nightly moved is found where it is, `_releases.py`). A public name
+is wrapped wherever one reaches the function (`keras.Model.fit` is the
+trainer's `fit`):
 
 1. **Batches** (`_loop.py`). Keras turns each host batch into a global
    array with the module function `_distribute_data` (per pass in
-   `JAXEpochIterator._get_distributed_iterator`); on a batch that does not
+   `JAXEpochIterator._get_distributed_iterator`, the nightly's
+   `_get_iterator`; the nightly also builds an unbuilt model from the
+   adapter's first batch, which keras_dist reads through the epoch iterator
+   as 3.15 does); on a batch that does not
    split evenly over the replicas it raises (keras#21167). While one of its
    strategies is current, keras_dist hands both to its input pipeline
    (`data/host/_pipeline.py`: check, pad, lay out, prefetch), wraps the module's
@@ -81,7 +87,7 @@ API cannot express are done here, on Keras's JAX trainer
     between steps is stored untracked, and batch callbacks that no callback
     overrides are not dispatched.
 
-12. **Layouts that fit any shape** (`_layouts.py`): a layout handed to
+12. **Layouts that fit any shape** (`_variables.distribute_tensor`): a layout handed to
     `keras.distribution.distribute_tensor` under a strategy (a `layout_map`
     rule for layer outputs, which `get_tensor_layout` gives by path alone)
     is fitted to the tensor's shape: a dimension its mesh axes do not divide
@@ -110,7 +116,6 @@ from keras_dist._keras_compat._adapters import tf_dataset_adapter_init
 from keras_dist._keras_compat._host_values import _array
 from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
 from keras_dist._keras_compat._jax_seams import find as _find
-from keras_dist._keras_compat._layouts import distribute_tensor
 from keras_dist._keras_compat._loop import (
     BATCH_HOOKS,
     _batch_hook,
@@ -133,6 +138,7 @@ from keras_dist._keras_compat._variables import (
     _assign,
     _direct_assign,
     _initialize_with_initializer,
+    distribute_tensor,
     variable_value,
 )
 from keras_dist._version import __version__

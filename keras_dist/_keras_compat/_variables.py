@@ -48,6 +48,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import keras
@@ -58,6 +59,8 @@ from keras.src.random.seed_generator import draw_seed
 
 from keras_dist._keras_compat import _releases
 from keras_dist._keras_compat._wrapped import marked
+from keras_dist.strategies._base import Strategy
+from keras_dist.strategies.devices._any_shape import fit_layout
 from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies.state._split_values import (
     compute_split,
@@ -72,6 +75,7 @@ __all__ = [
     "_assign",
     "_direct_assign",
     "_initialize_with_initializer",
+    "distribute_tensor",
     "joining_functions",
     "variable_value",
 ]
@@ -288,3 +292,41 @@ def _in_device_memory(value) -> bool:
     if not isinstance(value, jax.Array) or isinstance(value, jax.core.Tracer):
         return False
     return getattr(value.sharding, "memory_kind", None) in (_DEVICE, None)
+
+
+def distribute_tensor(original: Callable) -> Callable:
+    """Keras's JAX `distribute_tensor`, with the layout fitted to the tensor.
+
+    Keras lays variables, layer outputs (`get_tensor_layout`: a path, no
+    shape) and libraries' tensors (keras-hub's `generate`) out through it.
+    Inside a compiled function JAX pads an uneven split, but eagerly Keras's
+    `jax.device_put` raises on a dimension the mesh axes do not divide.
+    While a keras_dist strategy is current, such a layout is fitted to the
+    tensor's shape first (`strategies/devices/_any_shape.fit_layout`: the
+    dimension kept whole); a layout that fits (every variable's) is passed
+    on as it is. Without a strategy, Keras's own.
+    """
+
+    def wrapper(tensor: Any, layout: Any) -> Any:
+        if (
+            isinstance(layout, keras.distribution.TensorLayout)
+            and layout.device_mesh is not None
+            and isinstance(keras.distribution.distribution(), Strategy)
+        ):
+            shape = np.shape(tensor)
+            if not _fits(layout, shape):
+                layout = fit_layout(layout, shape)
+        return original(tensor, layout)
+
+    marked(wrapper, original)
+    return wrapper
+
+
+def _fits(layout: Any, shape: tuple) -> bool:
+    if len(layout.axes) > len(shape):
+        return False
+    try:
+        layout.backend_layout.shard_shape(shape)
+    except ValueError:  # JAX's IndivisibleError.
+        return False
+    return True
