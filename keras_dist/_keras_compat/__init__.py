@@ -25,6 +25,8 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"{__name__}.{name}")
     seams = importlib.import_module(f"{__name__}._seams")
     try:
-        return getattr(seams, name)
+        value = getattr(seams, name)
     except AttributeError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value  # Found once: later reads are plain attributes.
+    return value

@@ -41,6 +41,7 @@ With no keras_dist strategy current, everything here behaves exactly as
 Keras's.
 """
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -126,7 +127,7 @@ def _make_function(self, step_function, out_shardings=None, concatenate_outputs=
     strategy, its step is compiled as 3.15's, and its groups are batches.
     """
     original = _originals["JAXTrainer._make_function"]
-    compiles_here = "out_shardings" in inspect.signature(original).parameters
+    compiles_here = _compiles_its_step(original)
     strategy = current_strategy()
     if strategy is None:
         if compiles_here:
@@ -158,6 +159,12 @@ def _make_function(self, step_function, out_shardings=None, concatenate_outputs=
             enabled=lambda: program.strategy.input_options.fuse_steps,
         )
     return keras_loop
+
+
+@functools.cache
+def _compiles_its_step(make_function: Callable) -> bool:
+    """Whether Keras's `_make_function` compiles the step itself (the nightly)."""
+    return "out_shardings" in inspect.signature(make_function).parameters
 
 
 def _distribute_data(data, layouts=None, *args, **kwargs):
