@@ -1,7 +1,7 @@
 """kd.errors: one named exception per diagnosis, catchable as the builtin."""
 
 import keras_dist as kd
-from keras_dist.callbacks import _backup_store
+from keras_dist._checkpoint import orbax_store
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 
 
@@ -17,6 +17,6 @@ def test_process_mismatch_is_caught_as_before():
 def test_every_error_is_exported():
     names = set(kd.errors.__all__)
     assert {"ProcessMismatchError", "IncompatibleBackupError"} <= names
-    assert kd.errors.IncompatibleBackupError is _backup_store.IncompatibleBackupError
+    assert kd.errors.IncompatibleBackupError is orbax_store.IncompatibleBackupError
     for name in names:
         assert issubclass(getattr(kd.errors, name), Exception)

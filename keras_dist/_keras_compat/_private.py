@@ -66,9 +66,10 @@ PRIVATE_IMPORTS: tuple = (
     # which tf.data does not export.
     ("tensorflow.python.data.experimental.ops", "distribute"),
     ("tensorflow.python.data.ops", "dataset_ops"),
-    # _saving, _weights_h5: Keras's own file writers, fed from a host
-    # snapshot (the public `save` reads the live variables on the training
-    # thread). Replaced by Keras's public saving in the checkpoint rework.
+    # _saving: Keras's own saving walk and file writer (`H5IOStore`, h5py),
+    # split so the file is written from a host snapshot on a background
+    # thread: the public `save_weights` / `save` read the live variables
+    # while they write, on the training thread.
     *(
         ("keras.src.saving.saving_lib", name)
         for name in (
@@ -142,20 +143,9 @@ PRIVATE_ATTRIBUTES: tuple = (
         "BatchNormalization",
         ("_moments", "_reduction_axes"),
     ),
-    # _weights_h5 makes `.weights.h5` datasets in H5IOStore's current group
-    # (replaced by Keras's public saving in the checkpoint rework).
-    (
-        "keras.src.saving.saving_lib",
-        "H5IOStore",
-        (
-            "_h5_entry_initialized",
-            "_create_h5_group",
-            "_h5_entry_group",
-            "_h5_entry_path",
-        ),
-    ),
     # _orbax_private: the v1 Checkpointer's v0 manager, whose preemption
-    # query (a collective at every save) has no public switch.
+    # queries (at every save, and from its commit thread with the saved
+    # step) have no public switch; they break the agreement on a step.
     (
         "orbax.checkpoint.experimental.v1._src.training.checkpointer",
         "Checkpointer",

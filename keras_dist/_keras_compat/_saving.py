@@ -7,18 +7,13 @@ splits that walk from the writing:
 - `snapshot(model, with_config)`, on the training thread: the same walk
   into a store that records what each saveable gives it (its variables, or
   values a layer computes from them, e.g. a LoRA-merged kernel), then every
-  value frozen (`_freeze.py`): copied on its devices in one asynchronous dispatch (the
-  training thread does not wait for the step computing it; the next step
-  may donate the original), or, when the devices lack room, copied to host
-  now; a value with parts on other processes is gathered (a collective
-  every process runs in the same order). With `with_config`, the model's
-  config and metadata JSON and its assets too. A walk that found only
-  variables is `reusable` at later steps (Keras's walk takes ~0.1 s).
-- `write_snapshot(snapshot, path)`, on any thread: writes the file
-  `save_weights` / `save` writes, which loads with Keras alone: a
-  `.weights.h5` file through `_weights_h5.py` (h5py makes its structure,
-  the arrays' bytes go out in a few vectored writes), a `.keras` zip by
-  replaying the records into Keras's `H5IOStore` inside Keras's zip layout.
+  value frozen (`_checkpoint/pipeline.freeze`). With `with_config`, the
+  model's config and metadata JSON and its assets too. A walk that found
+  only variables is `reusable` at later steps (Keras's walk takes ~0.1 s).
+- `write_snapshot(snapshot, path)`, on any thread: the records replayed
+  into Keras's own `H5IOStore` (h5py writes the bytes): the `.weights.h5`
+  file `save_weights` writes, or, inside Keras's zip layout with the JSON
+  and assets, the `.keras` file `save` writes. Both load with Keras alone.
 """
 
 import contextlib
@@ -46,13 +41,11 @@ from keras.src.saving.saving_lib import (
     _write_to_zip_recursively,
 )
 
-from keras_dist._keras_compat._freeze import freeze, prepare
-from keras_dist._keras_compat._weights_h5 import write_weights_h5
+from keras_dist._checkpoint.pipeline import freeze, prepare
 
 __all__ = [
     "Snapshot",
     "model_files",
-    "orbax_payload",
     "prepare_snapshot",
     "record",
     "reusable",
@@ -260,7 +253,7 @@ def snapshot(
     if recorded is None:
         recorded = record(model, with_config=with_config)
     keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
-    frozen = freeze([recorded.entries[i][2][k] for i, k in keys], to_host_arrays=True)
+    frozen = freeze([recorded.entries[i][2][k] for i, k in keys], copy_local=copy_local)
     entries: list[tuple[str, Any, dict[str, Any]]] = [
         (path, metadata, {}) for path, metadata, _ in recorded.entries
     ]
@@ -277,7 +270,7 @@ def snapshot(
 
 def prepare_snapshot(recorded: Snapshot) -> None:
     """Compiles the copies `snapshot(..., recorded=recorded)` dispatches."""
-    prepare(recorded.values(), to_host_arrays=True)
+    prepare(recorded.values())
 
 
 def _replay(snap: Snapshot, store) -> None:
@@ -288,11 +281,16 @@ def _replay(snap: Snapshot, store) -> None:
 
 
 def write_snapshot(snap: Snapshot, path: str) -> None:
-    """Writes `snap` to `path`: a `.weights.h5` file, or a `.keras` zip."""
-    if snap.config_json is None:
-        write_weights_h5(snap.entries, path)
-        return
+    """Writes `snap` to `path` through Keras's `H5IOStore`: a `.weights.h5`
+    file, or (recorded with the config) a `.keras` zip."""
     snap.to_host()
+    if snap.config_json is None:
+        store = H5IOStore(path, mode="w")
+        try:
+            _replay(snap, store)
+        finally:
+            store.close()
+        return
     with open(path, "wb") as f, zipfile.ZipFile(f, "w") as zf:
         if snap.metadata_json is None:  # Recorded with the config, always.
             raise ValueError(f"Cannot write {path}: the snapshot has no metadata.")
@@ -325,22 +323,3 @@ def model_files(model) -> dict:
     if assets is not None:
         files["assets"] = assets
     return files
-
-
-def orbax_payload(model, *, weights_only: bool, files: dict | None = None) -> dict:
-    """What `keras.callbacks.OrbaxCheckpoint` saves, in its layout.
-
-    `pytree`: `model.get_state_tree()` (device arrays: Orbax copies them to
-    host and each process writes its own parts), only the weights with
-    `weights_only`; otherwise also `model_files(model)` (or `files`, made
-    earlier by it). Keras's `load_model` / `load_weights` read it.
-    """
-    state = model.get_state_tree()
-    if weights_only:
-        return {
-            "pytree": {
-                "trainable_variables": state["trainable_variables"],
-                "non_trainable_variables": state["non_trainable_variables"],
-            }
-        }
-    return {"pytree": state, **(model_files(model) if files is None else files)}

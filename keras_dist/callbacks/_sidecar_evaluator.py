@@ -8,10 +8,10 @@ from typing import Any
 
 import keras
 
+from keras_dist._checkpoint.lookup import Checkpoint, CheckpointWatch
+from keras_dist._checkpoint.model_checkpoint import _write_json
+from keras_dist._checkpoint.pipeline import atomic_write
 from keras_dist._checks import check_int
-from keras_dist.callbacks._checkpoint_watch import Checkpoint, CheckpointWatch
-from keras_dist.callbacks._files import atomic_write
-from keras_dist.callbacks._model_checkpoint import _write_json
 
 __all__ = ["SidecarEvaluator"]
 

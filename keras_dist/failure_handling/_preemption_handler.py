@@ -12,10 +12,9 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat._access import sync_state
-from keras_dist.callbacks._backup_store import BackupStore
+from keras_dist._checkpoint.orbax_store import GROUPS, OrbaxStore
+from keras_dist._checkpoint.pipeline import check_writable_dir
 from keras_dist.callbacks._chief import is_chief
-from keras_dist.callbacks._files import check_writable_dir
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import resolve
 from keras_dist.cluster._resolver import ClusterResolver
@@ -53,31 +52,21 @@ class _ModelState:
         # Synchronous: it saves right before the process exits, which must
         # wait for the files anyway (with a grace period, its first save
         # waits too: a few runs of training are not worth a second road).
-        self._store = BackupStore(directory, async_save=False)
-
-    # What `BackupStore` reads of a model.
-    @property
-    def trainable_variables(self) -> list:
-        return self.model.trainable_variables
-
-    @property
-    def non_trainable_variables(self) -> list:
-        return self.model.non_trainable_variables
-
-    @property
-    def optimizer(self) -> keras.Optimizer | None:
-        return self.model.optimizer
-
-    @property
-    def metrics_variables(self) -> list:
-        return []
+        self._store = OrbaxStore(
+            directory,
+            owner="PreemptionCheckpointHandler",
+            what="backup",
+            async_save=False,
+            max_to_keep=2,
+        )
 
     def save(self, number: int, meta: dict) -> None:
-        sync_state(self.model)
-        self._store.save(self, number, meta)
+        self.model.jax_state_sync()
+        groups = tuple(g for g in GROUPS if g != "metrics_variables")
+        self._store.save(self.model, number, groups=groups, meta=meta)
 
     def restore(self) -> dict | None:
-        return self._store.restore(self)
+        return self._store.restore(self.model)
 
 
 def _manager(

@@ -3,7 +3,7 @@
 `BackupAndRestore(save_freq=2)` saves asynchronously at steps 2 and 4; after
 step 4's backup is committed, the process may write no file larger than
 1 KiB (`RLIMIT_FSIZE`, SIGXFSZ ignored: writes fail with EFBIG), so step 6's
-backup fails on Orbax's writer thread. Prints how `fit` ended, then lifts
+backup fails on Orbax's writer threads. Prints how `fit` ended, then lifts
 the limit and restores the newest backup into a fresh model.
 """
 
@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist.callbacks._backup_store import BackupStore
+from keras_dist._checkpoint.orbax_store import OrbaxStore
 
 backup_dir = sys.argv[1]
 strategy = kd.MirroredStrategy()
@@ -67,7 +67,9 @@ except kd.errors.CheckpointWriteError as error:
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
 fresh = make()
 fresh.optimizer.build(fresh.trainable_variables)
-store = BackupStore(backup_dir, async_save=False)
+store = OrbaxStore(
+    backup_dir, owner="BackupAndRestore", what="backup", async_save=False
+)
 meta = store.restore(fresh)
 store.close()
 step = int(np.asarray(fresh.optimizer.iterations.value))

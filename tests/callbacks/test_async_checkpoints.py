@@ -359,7 +359,7 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     the device memory and copying), and each device's part of a split one."""
     import jax
 
-    from keras_dist._keras_compat._freeze import freeze
+    from keras_dist._checkpoint.pipeline import freeze
 
     with kd.MirroredStrategy().scope():
         mirrored = keras.Variable(np.arange(32.0).reshape(4, 8))
@@ -374,7 +374,7 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     split.assign(np.zeros((8, 8)))
     np.testing.assert_array_equal(frozen_mirrored, np.arange(32.0).reshape(4, 8))
     np.testing.assert_array_equal(frozen_split, np.arange(64.0).reshape(8, 8))
-    (on_host,) = freeze([mirrored], to_host_arrays=True)
+    (on_host,) = freeze([mirrored])
     np.testing.assert_array_equal(np.asarray(on_host), np.zeros((4, 8)))
 
 
@@ -386,7 +386,7 @@ def test_a_save_copy_is_not_run_inline_on_the_training_thread():
     adds must stay in the compiled program, and copy exactly."""
     import jax
 
-    from keras_dist._keras_compat._freeze import _copy
+    from keras_dist._checkpoint.pipeline import _copy
 
     device = jax.devices()[0]
     group = [
@@ -410,7 +410,7 @@ def test_a_save_copies_on_the_devices_only_where_they_have_room():
     report no limit: always room."""
     import jax
 
-    from keras_dist._keras_compat._freeze import _room_on_devices
+    from keras_dist._checkpoint.pipeline import _room_on_devices
 
     class Device:
         def __init__(self, limit, in_use):
@@ -474,19 +474,16 @@ def _keras_h5(path, entries) -> dict:
     return _h5_contents(path)
 
 
-def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatch):
-    """The background `.weights.h5` writer makes the file's structure with
-    h5py once and writes the arrays' bytes itself (each device's part to
-    its place): the file holds what Keras's own `H5IOStore` writes from the
-    same values, for every layout of the parts (runs of bytes, or not) and
-    every kind of value (bfloat16, integers, scalars, empty). The next file
-    of the same structure is written without h5py; another structure, or a
-    value left to h5py (a Python number, booleans), goes through h5py again."""
+def test_weights_h5_files_hold_what_keras_writes(tmp_path):
+    """The background `.weights.h5` writer replays a snapshot into Keras's
+    own `H5IOStore`: the file holds what Keras writes from the same values,
+    for every layout of the parts and every kind of value (bfloat16,
+    integers, scalars, empty, Python numbers, booleans)."""
     import jax
     import ml_dtypes
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from keras_dist._keras_compat import _saving, _weights_h5
+    from keras_dist._keras_compat import _saving
 
     mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices())
     rng = np.random.default_rng(0)
@@ -519,16 +516,6 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatc
             ("layers/unused", None, {}),
         ]
 
-    made = []
-
-    class Counted(_weights_h5.H5IOStore):
-        def __init__(self, *args, **kwargs):
-            made.append(args[0])
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(_weights_h5, "H5IOStore", Counted)
-    monkeypatch.setattr(_weights_h5, "_LAYOUTS", {})
-
     def write(name, written):
         path = str(tmp_path / f"{name}.weights.h5")
         _saving.write_snapshot(_saving.Snapshot(entries=written), path)
@@ -537,15 +524,8 @@ def test_weights_h5_bytes_go_to_their_datasets_part_by_part(tmp_path, monkeypatc
 
     first = write("first", entries())
     assert "layers/dense/vars/rows" in _h5_contents(first)
-    again = write("again", entries())  # New values, the same structure.
-    assert made == [first]
     write("other", entries(rows=on(floats(16, 6), "a")))  # Another shape.
-    assert len(made) == 2
     write("number", entries(count=7, mask=np.array([True, False])))
-    write("number_again", entries(count=7, mask=np.array([True, False])))
-    assert len(made) == 4
-    write("again_2", entries())
-    assert len(made) == 4 and os.path.getsize(again) == os.path.getsize(first)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "mirrored"])
@@ -559,7 +539,8 @@ def test_a_save_compiles_nothing_on_the_training_thread(
     at 973 MB on 8 CPU devices). The files are still the step's."""
     import jax
 
-    from keras_dist.callbacks import _backup_store, _model_checkpoint
+    from keras_dist._checkpoint import model_checkpoint as _model_checkpoint
+    from keras_dist._checkpoint import orbax_store
 
     strategy = _fsdp() if layout == "fsdp" else kd.MirroredStrategy()
     model = build_in_scope(strategy, WEIGHTS)
@@ -584,7 +565,7 @@ def test_a_save_compiles_nothing_on_the_training_thread(
         monkeypatch.setattr(cls, name, wrapper)
 
     if callback == "backup":
-        timed(_backup_store.BackupStore, "save")
+        timed(orbax_store.OrbaxStore, "save")
         cb = kd.callbacks.BackupAndRestore(
             str(tmp_path / "backup"), save_freq=2, delete_checkpoint=False
         )
@@ -706,90 +687,9 @@ def test_backups_and_sharded_checkpoints_are_written_uncompressed(tmp_path):
         assert sum(f.stat().st_size for f in files) >= kernel_bytes, name
 
 
-@pytest.fixture
-def collections_in_orbax_saves(monkeypatch):
-    """Python's collector started by every allocation (threshold 1), and a
-    count of the collections that start while Orbax's save runs (the calls
-    keras_dist's writers make: `CheckpointManager.save`, v1's
-    `Checkpointer.save_checkpointables`) and of those that start elsewhere."""
-    import gc
-    import threading
-
-    import orbax.checkpoint as ocp
-
-    inside = {"saves": 0}
-    counts = {"in_saves": 0, "elsewhere": 0, "saves": 0}
-    lock = threading.Lock()
-
-    def counted(method):
-        def wrapper(*args, **kwargs):
-            with lock:
-                inside["saves"] += 1
-                counts["saves"] += 1
-            try:
-                return method(*args, **kwargs)
-            finally:
-                with lock:
-                    inside["saves"] -= 1
-
-        return wrapper
-
-    for cls, name in (
-        (ocp.CheckpointManager, "save"),
-        (ocp.v1.training.Checkpointer, "save_checkpointables"),
-    ):
-        monkeypatch.setattr(cls, name, counted(getattr(cls, name)))
-
-    def record(phase, info):
-        if phase == "start":
-            counts["in_saves" if inside["saves"] else "elsewhere"] += 1
-
-    thresholds = gc.get_threshold()
-    gc.set_threshold(1, 1, 1)
-    gc.callbacks.append(record)
-    try:
-        yield counts
-    finally:
-        gc.callbacks.remove(record)
-        gc.set_threshold(*thresholds)
-
-
-def test_orbax_writes_run_no_garbage_collection(tmp_path, collections_in_orbax_saves):
-    """An Orbax save allocates enough short-lived objects to start Python's
-    collector 17-20 times, and every 8-12 saves a full collection (325-422
-    ms beside a 96 MB backup, holding the GIL the training thread needs);
-    keras_dist's Orbax writes pause it, and it runs again between them."""
-    import gc
-
-    model = build_in_scope(_fsdp(), WEIGHTS)
-    _fit(
-        model,
-        kd.callbacks.BackupAndRestore(
-            str(tmp_path / "backup"), save_freq=2, delete_checkpoint=False
-        ),
-        kd.callbacks.ModelCheckpoint(
-            str(tmp_path / "sharded"), sharded=True, save_freq=3
-        ),
-        epochs=1,
-    )
-    counts = collections_in_orbax_saves
-    assert gc.isenabled()
-    assert counts["saves"] >= 4  # 4 steps: 2 backups, 1-2 sharded saves.
-    assert counts["in_saves"] == 0
-    assert counts["elsewhere"] > 10  # The collector ran between the saves.
-
-
 def test_a_collector_the_program_turned_off_stays_off(tmp_path):
     import gc
 
-    from keras_dist.callbacks._orbax import collection_paused
-
-    with collection_paused():
-        assert not gc.isenabled()
-        with collection_paused():
-            assert not gc.isenabled()
-        assert not gc.isenabled()  # The outer pause still holds.
-    assert gc.isenabled()
     gc.disable()
     try:
         model = build_in_scope(_fsdp(), WEIGHTS)
@@ -801,82 +701,3 @@ def test_a_collector_the_program_turned_off_stays_off(tmp_path):
         assert not gc.isenabled()
     finally:
         gc.enable()
-
-
-@pytest.fixture
-def writer_priorities(monkeypatch):
-    """The thread name and nice value of every background write (each
-    `BackgroundWriter.submit`'s write, recorded as it runs)."""
-    import threading
-
-    from keras_dist.callbacks import _background
-
-    seen = []
-    submit = _background.BackgroundWriter.submit
-
-    def recorded(self, path, write):
-        def run():
-            thread = threading.current_thread()
-            nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            seen.append((thread.name.rsplit("_", 1)[0], nice))
-            return write()
-
-        return submit(self, path, run)
-
-    monkeypatch.setattr(_background.BackgroundWriter, "submit", recorded)
-    return seen
-
-
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no thread priorities")
-def test_background_writes_run_nicer_than_the_training_thread(
-    tmp_path, writer_priorities
-):
-    """Under load a writer at the training thread's priority takes a core
-    from the step's device threads for its whole write (FSDP ~100 MB: steps
-    1.051x while saving every 10 steps, 1.011x with the writer at nice +10;
-    benchmarks/README.md)."""
-    import sys
-    import threading
-
-    from keras_dist.callbacks._background import WRITER_NICENESS
-
-    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    model = build_in_scope(_fsdp(), WEIGHTS)
-    after = _fit(
-        model,
-        kd.callbacks.BackupAndRestore(
-            str(tmp_path / "backup"), save_freq=2, delete_checkpoint=False
-        ),
-        kd.callbacks.ModelCheckpoint(
-            str(tmp_path / "w_{batch}.weights.h5"), save_weights_only=True, save_freq=3
-        ),
-        kd.callbacks.ModelCheckpoint(
-            str(tmp_path / "sharded"), sharded=True, save_freq=4
-        ),
-        epochs=1,
-    )
-    threads = {name for name, _ in writer_priorities}
-    assert threads == {"keras_dist-orbax", "keras_dist-checkpoint"}, writer_priorities
-    expected = min(main + WRITER_NICENESS, 19) if sys.platform == "linux" else main
-    assert {nice for _, nice in writer_priorities} == {expected}, writer_priorities
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
-    # The writes finished, at their priority: the last file holds its step.
-    restored = build_in_scope(_fsdp(), WEIGHTS)
-    restored.load_weights(str(tmp_path / "w_3.weights.h5"))
-    assert_weights_close(restored.get_weights(), after[3])
-
-
-def test_a_writer_the_system_keeps_at_its_priority_still_writes(tmp_path, monkeypatch):
-    """A sandbox may forbid `setpriority` (seccomp): the writes go on at the
-    training thread's priority."""
-    from keras_dist.callbacks import _background
-
-    def forbidden(*args):
-        raise PermissionError(1, "Operation not permitted")
-
-    monkeypatch.setattr(_background.os, "setpriority", forbidden)
-    writer = _background.BackgroundWriter("ModelCheckpoint", "kept")
-    path = tmp_path / "written"
-    writer.submit(str(path), lambda: path.write_text("done"))
-    writer.close()
-    assert path.read_text() == "done"

@@ -13,8 +13,6 @@ inputs).
 A backup written by another model is refused with the shapes that differ.
 """
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -118,32 +116,27 @@ def _assert_same_state(expected, got):
         np.testing.assert_array_equal(np.asarray(b.value), np.asarray(a.value))
 
 
-def _write_orbax_pytree_backup(directory, model, number, meta, handlers):
-    """A backup as keras_dist wrote it before raw arrays (and as several
-    processes still write it): Orbax's PyTree item `state` beside `meta`."""
+def _write_orbax_pytree_backup(directory, model, number, meta):
+    """A backup as keras_dist 0.1.0 wrote it with several processes: Orbax's
+    v0 PyTree item `state` beside `meta`."""
     import orbax.checkpoint as ocp
 
-    from keras_dist.callbacks._backup_store import variable_groups
-
-    groups = variable_groups(model)
+    groups = {
+        "trainable": model.trainable_variables,
+        "non_trainable": model.non_trainable_variables,
+        "optimizer": model.optimizer.variables,
+        "metrics": model.metrics_variables,
+    }
     manager = ocp.CheckpointManager(
         str(directory),
         options=ocp.CheckpointManagerOptions(
             max_to_keep=2, enable_async_checkpointing=False, create=True
         ),
         item_handlers={
-            "state": ocp.PyTreeCheckpointHandler(
-                use_compression=False, type_handler_registry=handlers
-            ),
+            "state": ocp.PyTreeCheckpointHandler(use_compression=False),
             "meta": ocp.JsonCheckpointHandler(),
         },
     )
-    meta = {
-        **meta,
-        "variables": {
-            name: [[v.path, list(v.shape)] for v in vs] for name, vs in groups.items()
-        },
-    }
     state = {name: [v.value for v in vs] for name, vs in groups.items()}
     manager.save(
         number,
@@ -154,92 +147,77 @@ def _write_orbax_pytree_backup(directory, model, number, meta, handlers):
     manager.close()
 
 
-@pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
-@pytest.mark.parametrize("handlers", ["orbax_default", "keras_dist_0_1"])
-def test_a_backup_in_orbaxs_pytree_format_still_restores(
-    tmp_path, shard_variables, handlers
-):
-    # Backups in Orbax's PyTree format (keras_dist before raw arrays; several
-    # processes' backups): Orbax's default array handler (a sharding file per
-    # array, replica-parallel slices) and keras_dist's (neither) restore
-    # exactly.
-    from orbax.checkpoint._src.serialization import type_handler_registry
+def _store(directory, async_save=False):
+    from keras_dist._checkpoint.orbax_store import OrbaxStore
 
-    from keras_dist.callbacks import _backup_store
-    from keras_dist.callbacks._orbax import backup_type_handlers
-
-    registry = (
-        type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY
-        if handlers == "orbax_default"
-        else backup_type_handlers()
+    return OrbaxStore(
+        str(directory),
+        owner="BackupAndRestore",
+        what="backup",
+        async_save=async_save,
+        max_to_keep=2,
     )
-    written = _trained(shard_variables)
-    _write_orbax_pytree_backup(tmp_path, written, 7, {"epoch": 1}, registry)
-    files = [name for _, _, names in os.walk(tmp_path / "7") for name in names]
-    assert any("sharding" in name for name in files) == (handlers == "orbax_default")
-    assert not (tmp_path / "7" / _backup_store.ITEM).exists()
-    restored = _built(shard_variables)
-    store = _backup_store.BackupStore(str(tmp_path), async_save=False)
-    assert store.restore(restored)["epoch"] == 1
-    store.close()
-    _assert_same_state(written, restored)
+
+
+@pytest.mark.parametrize("written_by", ["orbax_v0_state", "raw_arrays"])
+def test_a_backup_of_keras_dist_0_1_is_refused_naming_its_format(tmp_path, written_by):
+    """keras_dist 0.1.0's backups (several processes: Orbax's v0 `state`
+    item; one process: its own raw-arrays format) are refused before
+    training, naming the format and what to do; the backup is kept."""
+    if written_by == "orbax_v0_state":
+        _write_orbax_pytree_backup(tmp_path, _trained(), 7, {"epoch": 1})
+    else:
+        (tmp_path / "7" / "arrays").mkdir(parents=True)
+        (tmp_path / "7" / "arrays" / "index.json").write_text(
+            '{"format": "keras_dist.raw_arrays/1", "groups": {}}'
+        )
+    with pytest.raises(
+        kd.errors.IncompatibleBackupError,
+        match=r"keras_dist 0\.1\.0 .*keras_dist\.raw_arrays/1.*delete the directory",
+    ):
+        _store(tmp_path)
+    assert (tmp_path / "7").is_dir()
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
-def test_one_process_backups_are_raw_parts_that_restore_onto_any_layout(
+def test_one_process_backups_restore_onto_any_layout(
     tmp_path, shard_variables, async_save
 ):
-    """One process writes each array's distinct parts' bytes and an index:
-    FSDP's 8 parts of a kernel, a replicated array once; they restore onto
-    8 devices split or replicated, 4 devices, 1 device, bit-exact."""
-    import json
-
-    from keras_dist.callbacks._backup_store import ITEM, BackupStore
-
+    """A backup is Orbax's, in Keras's `OrbaxCheckpoint` layout (each
+    process writes the parts it holds); it restores onto 8 devices split or
+    replicated, 4 devices, 1 device, bit-exact."""
     written = _trained(shard_variables)
-    store = BackupStore(str(tmp_path), async_save=async_save)
-    store.save(written, 3, {"epoch": 1})
+    store = _store(tmp_path, async_save)
+    store.save(written, 3, meta={"epoch": 1})
     store.close()
-    item = tmp_path / "3" / ITEM
-    index = json.loads((item / "index.json").read_text())
-    state = [*written.trainable_variables, *written.non_trainable_variables]
-    state += [*written.optimizer.variables, *written.metrics_variables]
-    entries = [e for group in index["groups"].values() for e in group]
-    assert len(entries) == len(state)
-    nbytes = 0
-    for v, entry in zip(state, entries, strict=True):
-        assert entry["shape"] == list(v.shape)
-        assert entry["dtype"] == np.dtype(v.value.dtype).name
-        split = shard_variables and any(d % 8 == 0 for d in v.shape)
-        assert len(entry["parts"]) == (8 if split else 1), v.path
-        nbytes += sum(length for _, _, length in entry["parts"])
-    assert nbytes == sum(np.asarray(v.value).nbytes for v in state)
-    assert (item / "arrays.bin").stat().st_size == nbytes  # Each byte once.
+    assert (tmp_path / "3" / "pytree").is_dir()
     for target, devices in [(False, 8), (True, 8), (True, 4), (False, 1)]:
         restored = _built(target, devices)
-        store = BackupStore(str(tmp_path), async_save=False)
-        assert store.restore(restored)["epoch"] == 1
+        store = _store(tmp_path)
+        meta = store.restore(restored)
         store.close()
+        assert meta["epoch"] == 1
         _assert_same_state(written, restored)
         kernel = restored.trainable_variables[0].value
         assert len(kernel.sharding.device_set) == devices
 
 
-def test_a_truncated_raw_backup_is_skipped_for_the_previous_one(tmp_path):
-    from keras_dist.callbacks._backup_store import ITEM, BackupStore
-
+def test_a_torn_backup_is_skipped_for_the_previous_one(tmp_path):
     first = _trained()
-    store = BackupStore(str(tmp_path), async_save=False)
-    store.save(first, 1, {"epoch": 1})
+    store = _store(tmp_path)
+    store.save(first, 1, meta={"epoch": 1})
     x, y = _data()
     first.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    store.save(first, 2, {"epoch": 2})
+    store.save(first, 2, meta={"epoch": 2})
     store.close()
-    data = tmp_path / "2" / ITEM / "arrays.bin"
+    data = max(
+        (f for f in (tmp_path / "2" / "pytree").rglob("*") if f.is_file()),
+        key=lambda f: f.stat().st_size,
+    )
     data.write_bytes(data.read_bytes()[:100])  # Torn after its commit.
     restored = _built()
-    store = BackupStore(str(tmp_path), async_save=False)
+    store = _store(tmp_path)
     with pytest.warns(UserWarning, match="the backup of step 2 .* cannot be read"):
         assert store.restore(restored)["epoch"] == 1
     store.close()

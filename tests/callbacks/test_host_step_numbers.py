@@ -14,12 +14,9 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist.callbacks import (
-    _backup_and_restore,
-    _backup_store,
-    _model_checkpoint,
-    _sharded_checkpoints,
-)
+from keras_dist._checkpoint import backup_and_restore as _backup_and_restore
+from keras_dist._checkpoint import model_checkpoint as _model_checkpoint
+from keras_dist._checkpoint import orbax_store
 from tests._helpers import InterruptAt
 
 MODES = {
@@ -50,19 +47,14 @@ def recorded(monkeypatch):
     """Each Orbax write's number and the optimizer step count it holds, and
     how often the callbacks read the step counter."""
     seen = {"backups": [], "sharded": [], "reads": 0, "configs": 0}
-    write_backup = _backup_store.BackupStore._write
-    write_sharded = _sharded_checkpoints.ShardedCheckpoints._write
+    start = orbax_store.OrbaxStore._start
 
-    def backup(self, number, state, meta):
-        # The optimizer's variables start with its step count.
-        seen["backups"].append((number, int(np.asarray(state["optimizer"][0]))))
-        write_backup(self, number, state, meta)
-
-    def sharded(self, step, payload):
+    def started(self, step, payload):
+        # A backup's record holds where training stood; a sharded one's not.
+        kind = "backups" if "meta" in payload[orbax_store.ORDER] else "sharded"
         (optimizer,) = payload["pytree"]["optimizer_variables"].values()
-        iterations = optimizer["iteration"]
-        seen["sharded"].append((step, int(np.asarray(iterations))))
-        write_sharded(self, step, payload)
+        seen[kind].append((step, int(np.asarray(optimizer["iteration"]))))
+        return start(self, step, payload)
 
     def counted(original):
         def read(optimizer):
@@ -71,15 +63,14 @@ def recorded(monkeypatch):
 
         return read
 
-    files = _sharded_checkpoints.model_files
+    files = _model_checkpoint.model_files
 
     def config(model):
         seen["configs"] += 1
         return files(model)
 
-    monkeypatch.setattr(_sharded_checkpoints, "model_files", config)
-    monkeypatch.setattr(_backup_store.BackupStore, "_write", backup)
-    monkeypatch.setattr(_sharded_checkpoints.ShardedCheckpoints, "_write", sharded)
+    monkeypatch.setattr(_model_checkpoint, "model_files", config)
+    monkeypatch.setattr(orbax_store.OrbaxStore, "_start", started)
     for module in (_backup_and_restore, _model_checkpoint):
         monkeypatch.setattr(module, "step_counter", counted(module.step_counter))
     return seen

@@ -145,7 +145,9 @@ def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
     evaluator = kd.callbacks.SidecarEvaluator(
         _evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.3, poll_interval=0.05
     )
-    watch = kd.callbacks._checkpoint_watch.CheckpointWatch(str(tmp_path))
+    from keras_dist._checkpoint.lookup import CheckpointWatch
+
+    watch = CheckpointWatch(str(tmp_path))
     assert len(watch.new_checkpoints()) == 1
     assert watch.new_checkpoints() == []
     path = tmp_path / "ckpt_1.weights.h5"

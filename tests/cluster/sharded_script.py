@@ -48,28 +48,29 @@ rank = jax.process_index()
 
 
 def record_threads() -> dict:
-    """Records the thread of every Orbax save of keras_dist's callbacks and
-    of every query of JAX's preemption service (`threads` in the result)."""
+    """Records the thread that starts every Orbax save of keras_dist's
+    callbacks (by the callback) and of every query of JAX's preemption
+    service (`threads` in the result)."""
     import threading
 
     from jax.experimental import multihost_utils
 
-    from keras_dist.callbacks import _backup_store, _sharded_checkpoints
+    from keras_dist._checkpoint.orbax_store import OrbaxStore
 
-    threads: dict = {"BackupStore": [], "ShardedCheckpoints": [], "preemption": []}
+    threads: dict = {"BackupAndRestore": [], "ModelCheckpoint": [], "preemption": []}
 
-    def recorded(owner, key, name):
+    def recorded(owner, name, key):
         original = getattr(owner, name)
 
         def call(*args, **kwargs):
-            threads[key].append(threading.current_thread().name)
+            store = args[0] if key is None else None
+            threads[key or store._writer.owner].append(threading.current_thread().name)
             return original(*args, **kwargs)
 
         setattr(owner, name, call)
 
-    recorded(_backup_store.BackupStore, "BackupStore", "_write")
-    recorded(_sharded_checkpoints.ShardedCheckpoints, "ShardedCheckpoints", "_write")
-    recorded(multihost_utils, "preemption", "reached_preemption_sync_point")
+    recorded(OrbaxStore, "_start", None)
+    recorded(multihost_utils, "reached_preemption_sync_point", "preemption")
     return threads
 
 
@@ -101,15 +102,20 @@ def parts(strategy) -> dict:
 
 
 def from_one_process(strategy) -> dict:
-    """The test's 1-process FSDP backup (raw parts), restored here."""
+    """The test's 1-process FSDP backup, restored here."""
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from keras_dist.callbacks._backup_store import BackupStore
+    from keras_dist._checkpoint.orbax_store import OrbaxStore
 
     model = build_in_scope(strategy, initial_weights(batch_norm=True), batch_norm=True)
     model.optimizer.build(model.trainable_variables)
-    store = BackupStore(os.path.join(workdir, "one_process_backup"), async_save=False)
+    store = OrbaxStore(
+        os.path.join(workdir, "one_process_backup"),
+        owner="BackupAndRestore",
+        what="backup",
+        async_save=False,
+    )
     meta = store.restore(model)
     store.close()
     state = [*model.variables, *model.optimizer.variables]

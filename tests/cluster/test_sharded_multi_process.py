@@ -37,17 +37,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def _one_process_backup(directory) -> list:
-    """A 1-process FSDP backup (raw parts) of distinct random values in every
-    weight and optimizer variable; those values."""
-    from keras_dist.callbacks._backup_store import BackupStore
+    """A 1-process FSDP backup of distinct random values in every weight and
+    optimizer variable; those values."""
+    from keras_dist._checkpoint.orbax_store import OrbaxStore
 
     model = build_in_scope(_onto(8), initial_weights(batch_norm=True), batch_norm=True)
     model.optimizer.build(model.trainable_variables)
     rng = np.random.default_rng(3)
     for v in _state(model):
         v.assign(rng.integers(1, 100, v.shape).astype(v.dtype))
-    store = BackupStore(str(directory), async_save=False)
-    store.save(model, 7, {"epoch": 1})
+    store = OrbaxStore(
+        str(directory), owner="BackupAndRestore", what="backup", async_save=False
+    )
+    store.save(model, 7, meta={"epoch": 1})
     store.close()
     return [np.asarray(v.value).tolist() for v in _state(model)]
 
@@ -202,7 +204,7 @@ def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devi
 
 
 def test_a_one_process_backup_restores_onto_two_processes(cluster):
-    """Raw parts written by one process: each of 2 processes reads the parts
+    """A backup written by one process: each of 2 processes reads the parts
     its 4 devices hold (FSDP over 8), exactly."""
     _, results = cluster
     for result in results:
@@ -216,19 +218,21 @@ def test_a_one_process_backup_restores_onto_two_processes(cluster):
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_two_process_saves_run_on_the_writer_thread(cluster, rank):
+def test_two_process_saves_run_in_the_background(cluster, rank):
     """BackupAndRestore and sharded ModelCheckpoint save in the background
-    with several processes too; JAX's preemption service is asked only on
-    the training thread (a query from the writer could make the processes
-    agree on a step the training thread has passed: `_orbax.py`)."""
+    with several processes too: each save starts on the training thread
+    (Orbax's asynchronous save; its threads write and commit); JAX's
+    preemption service is asked only on the training thread (a query from
+    Orbax's commit thread could make the processes agree on a step the
+    training thread has passed: `_keras_compat/_orbax_private.py`)."""
     _, results = cluster
     threads, saves = results[rank]["threads"], results[rank]["saves"]
     # 4 fits x 2 epochs of 7 steps: backups every 3 steps and at epoch ends,
     # a sharded checkpoint at each epoch end.
-    assert saves["BackupStore"] == 4 * 2 * 3
-    assert saves["ShardedCheckpoints"] == 4 * 2
-    for key in ("BackupStore", "ShardedCheckpoints"):
-        assert threads[key] == ["keras_dist-orbax_0"], threads
+    assert saves["BackupAndRestore"] == 4 * 2 * 3
+    assert saves["ModelCheckpoint"] == 4 * 2
+    for key in ("BackupAndRestore", "ModelCheckpoint"):
+        assert threads[key] == ["MainThread"], threads
     assert threads["preemption"] == ["MainThread"]
     assert saves["preemption"] >= 4 * 2 * 7
 

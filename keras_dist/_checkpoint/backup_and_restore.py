@@ -12,13 +12,11 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
+from keras_dist._checkpoint.orbax_store import OrbaxStore
+from keras_dist._checkpoint.pipeline import StepEnd, check_writable_dir
 from keras_dist._checks import check_int
 from keras_dist._keras_compat import _access
-from keras_dist._keras_compat._access import step_counter, sync_state
-from keras_dist.callbacks._backup_store import BackupStore
-from keras_dist.callbacks._chief import is_chief
-from keras_dist.callbacks._files import check_writable_dir
-from keras_dist.callbacks._step_end import StepEnd
+from keras_dist._keras_compat._access import step_counter
 from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
 
@@ -41,17 +39,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     On SIGTERM (preemption) it saves at the next step boundary and exits the
     process with status 0.
 
-    Backups are Orbax checkpoint steps (atomic: written aside, then
-    committed by a rename; the previous one is kept). With one process the
-    arrays are their parts' raw bytes and an index (a fraction of the CPU of
-    Orbax's array format); with several, Orbax's PyTree format, each process
-    writing its own parts. A backup that cannot be read is reported and the
-    previous one used. Restoring onto another number of replicas or
-    processes reshards the state onto the current strategy.
+    Backups are Orbax checkpoint steps in `keras.callbacks.OrbaxCheckpoint`'s
+    layout (atomic: written aside, then committed by a rename; the previous
+    one is kept), each process writing the parts it holds. A backup that
+    cannot be read is reported and the previous one used. Restoring onto
+    another number of replicas or processes reshards the state onto the
+    current strategy.
 
     Saves are asynchronous by default, with one process or several:
-    training waits only while the state is frozen (copied on its devices),
-    and keras_dist's writer thread writes the files. One save is in flight
+    training waits while Orbax copies the state to host memory, and
+    Orbax's threads write the files. One save is in flight
     at a time (a newer one waits for the older). A background write that
     fails raises `kd.errors.CheckpointWriteError` (the path and the cause)
     on the training thread at the next step, save or the end of `fit`; the
@@ -121,7 +118,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store: BackupStore | None = None
+        self._store: OrbaxStore | None = None
         self._preempted = threading.Event()
         self._previous_handler: _SignalHandler = None
         self._step_end = StepEnd()
@@ -129,12 +126,19 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Life cycle ---------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._store = BackupStore(self.backup_dir, async_save=self.async_save)
+        self._store = OrbaxStore(
+            self.backup_dir,
+            owner="BackupAndRestore",
+            what="backup",
+            async_save=self.async_save,
+            max_to_keep=2,
+        )
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         call = _call.active()
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
+        strategy = strategy_of_model(self.model)
+        self._replicas = strategy.num_replicas_in_sync if strategy else 1
         self._restore(call)
-        self._store.prepare(self.model)  # Not at the first save.
         self._global_step = step_counter(self.model.optimizer)
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
@@ -142,6 +146,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_end.start(
             self.params.get("steps"),
             max(self._global_step, self._open_store().latest() or 0),
+            call,
         )
         self._install_sigterm_handler()
         if call is not None:  # Keras skips on_train_end when fit raises.
@@ -180,7 +185,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _exit_preempted(self) -> None:
         self._open_store().wait()  # On disk before the process exits.
-        if is_chief():
+        if jax.process_index() == 0:
             print(
                 # Epochs counted from 1, as Keras's progress bar and
                 # "resuming at epoch E, step S" count them.
@@ -214,7 +219,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._release()
-        if self.delete_checkpoint and is_chief() and os.path.isdir(self.backup_dir):
+        if (
+            self.delete_checkpoint
+            and jax.process_index() == 0
+            and os.path.isdir(self.backup_dir)
+        ):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     def _release(self) -> None:
@@ -227,7 +236,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # State ----------------------------------------------------------------
 
-    def _open_store(self) -> BackupStore:
+    def _open_store(self) -> OrbaxStore:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
         if self._store is None:
             raise RuntimeError(
@@ -238,21 +247,20 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self, epoch: int, step: int, through: int | None) -> None:
         """Backs up the state after step index `through` of this epoch."""
-        sync_state(self.model)
+        self.model.jax_state_sync()  # The state a running `fit` holds.
         self._saved_step = step
         epoch, step = self._position(epoch, step)
-        strategy = strategy_of_model(self.model)
         self._open_store().save(
             self.model,
             # Counted on the host (`StepEnd.step`): the optimizer's step
             # count, unless a loss-scaling optimizer skipped steps (then
             # higher), and always above the backups in the directory.
             self._step_end.step(through),
-            {
+            meta={
                 "epoch": int(epoch),
                 "step": int(step),
                 "fit_initial_epoch": int(self._fit_initial_epoch),
-                "num_replicas": strategy.num_replicas_in_sync if strategy else 1,
+                "num_replicas": self._replicas,
             },
         )
 
@@ -271,7 +279,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         epochs = epoch - meta["fit_initial_epoch"]
         if call is not None and (epochs or step):
             call.resume = _call.ResumePlan(epochs=epochs, steps=step)
-        if is_chief():
+        if jax.process_index() == 0:
             print(
                 f"BackupAndRestore: resuming at epoch {epoch + 1}, step {step} "
                 f"(backup of {meta['num_replicas']} replicas).",

@@ -11,29 +11,29 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
+from keras_dist._checkpoint.keys import check_filepath_keys, check_monitor
+from keras_dist._checkpoint.lookup import STATE_FILE, SUFFIXES
+from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS, OrbaxStore
+from keras_dist._checkpoint.pipeline import (
+    StepEnd,
+    Writer,
+    atomic_write,
+    check_writable_dir,
+    remove_stale_temps,
+)
 from keras_dist._checks import check_int
-from keras_dist._keras_compat._access import step_counter, sync_state
+from keras_dist._keras_compat._access import step_counter
 from keras_dist._keras_compat._hooks import ModelCheckpointHooks
 from keras_dist._keras_compat._saving import (
     Snapshot,
+    model_files,
     prepare_snapshot,
     record,
     reusable,
     snapshot,
     write_snapshot,
 )
-from keras_dist.callbacks._background import BackgroundWriter
-from keras_dist.callbacks._checkpoint_keys import check_filepath_keys, check_monitor
-from keras_dist.callbacks._checkpoint_lookup import STATE_FILE, SUFFIXES
-from keras_dist.callbacks._chief import is_chief
-from keras_dist.callbacks._files import (
-    atomic_write,
-    check_writable_dir,
-    remove_stale_temps,
-)
 from keras_dist.callbacks._lr_control import plain_learning_rate
-from keras_dist.callbacks._sharded_checkpoints import ShardedCheckpoints
-from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
 
 __all__ = ["ModelCheckpoint"]
@@ -174,10 +174,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
         self._kept: list[str] = []
         self._epochs: dict[str, int] = {}
         self._steps: dict[str, int] = {}
-        self._writer = BackgroundWriter(
-            "ModelCheckpoint", "The previous checkpoint is intact."
-        )
-        self._sharded: ShardedCheckpoints | None = None
+        self._writer = Writer("ModelCheckpoint", "The previous checkpoint is intact.")
+        self._sharded: OrbaxStore | None = None
+        self._files: dict | None = None  # Keras's JSON and assets (sharded).
         self._last_save = time.monotonic()
         self._recorded: Snapshot | None = None
         self._step_end = StepEnd()
@@ -191,27 +190,36 @@ class ModelCheckpoint(ModelCheckpointHooks):
         super().on_train_begin(logs)
         if not self.sharded:
             check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
-        if is_chief():  # Temporary files of writes an earlier run interrupted.
+        if _is_chief():  # Temporary files of writes an earlier run interrupted.
             remove_stale_temps(self.directory)
         if self.sharded:
-            self._sharded = ShardedCheckpoints(
+            self._sharded = OrbaxStore(
                 self.directory,
+                owner="ModelCheckpoint",
                 async_save=self.async_save,
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
+            # Keras's model JSON and assets, made once a `fit`, here: making
+            # them waits for every step dispatched (it reads the learning
+            # rate). A model Keras cannot serialize fails at the first save,
+            # as with Keras's `OrbaxCheckpoint`.
+            self._files = None
             if not self.save_weights_only:
-                with plain_learning_rate(self.model):  # As each save writes it.
-                    self._sharded.prepare(self.model)
+                try:
+                    with plain_learning_rate(self.model):  # Loadable without us.
+                        self._files = model_files(self.model)
+                except Exception:
+                    pass
         self._last_save = time.monotonic()
         self._recorded = None  # Keras's saving walk, kept while it is reusable.
         self._prepare_background_saves()
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
-        self._step_end.start(
-            self.params.get("steps"), step_counter(self.model.optimizer)
-        )
         call = _call.active()
+        self._step_end.start(
+            self.params.get("steps"), step_counter(self.model.optimizer), call
+        )
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
         self._write_index(done=False)
@@ -291,15 +299,20 @@ class ModelCheckpoint(ModelCheckpointHooks):
         if not self.keras_should_save(epoch, batch, logs, filepath):
             return
         self._last_save = time.monotonic()
-        sync_state(self.model)
+        self.model.jax_state_sync()  # The state a running `fit` holds.
         step = self._step(batch)
         if self.sharded:
             if self._sharded is None:  # Made by on_train_begin.
                 raise RuntimeError("ModelCheckpoint(sharded=True) saves only in `fit`.")
-            with plain_learning_rate(self.model):  # Loadable without keras_dist.
-                path = self._sharded.save(
-                    self.model, step, weights_only=self.save_weights_only
-                )
+            if self._files is None and not self.save_weights_only:
+                with plain_learning_rate(self.model):
+                    self._files = model_files(self.model)
+            path = self._sharded.save(
+                self.model,
+                step,
+                groups=WEIGHTS if self.save_weights_only else tuple(GROUPS),
+                files=None if self.save_weights_only else self._files,
+            )
             if path is not None and self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
             return
@@ -307,7 +320,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
         if self.async_save and not legacy:
             self._save_in_background(filepath, epoch, step)
             return
-        if not is_chief():
+        if not _is_chief():
             if jax.process_count() > 1:
                 # Saving runs collectives (JAX checks values across processes):
                 # every process takes part; the others write to a scratch dir.
@@ -346,7 +359,8 @@ class ModelCheckpoint(ModelCheckpointHooks):
 
     def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
         """The state to host memory here; the file written on the writer thread."""
-        if is_chief():
+        chief = _is_chief()
+        if chief:
             _check_not_dir(filepath)
         with_config = not self.save_weights_only
         if self._recorded is None:
@@ -359,9 +373,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
         # Every process: values split over processes are gathered (the
         # others copy nothing: only the chief writes).
         snap = snapshot(
-            self.model, with_config=with_config, recorded=walk, copy_local=is_chief()
+            self.model, with_config=with_config, recorded=walk, copy_local=chief
         )
-        if not is_chief():
+        if not chief:
             snap.release()
             return
 
@@ -372,7 +386,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 snap.release()
             self._record(filepath, epoch, step)
 
-        self._writer.submit(filepath, write)
+        self._writer.write(filepath, write)
 
     def _write(self, filepath: str) -> None:
         if self.save_weights_only:
@@ -411,7 +425,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
 
         `done` is true once `fit` has ended (the evaluator's stop marker).
         """
-        if not is_chief() or not self._kept:
+        if not _is_chief() or not self._kept:
             return
         names = [
             os.path.basename(p)
@@ -428,6 +442,11 @@ class ModelCheckpoint(ModelCheckpointHooks):
             os.path.join(self.directory, STATE_FILE),
             lambda p: _write_json(p, state),
         )
+
+
+def _is_chief() -> bool:
+    """Whether this process writes the files (process 0)."""
+    return jax.process_index() == 0
 
 
 def _check_not_dir(filepath: str) -> None:

@@ -1,0 +1,349 @@
+"""`OrbaxStore`: a model's numbered Orbax checkpoints, and loading them.
+
+One store for `BackupAndRestore`, `ModelCheckpoint(sharded=True)` and
+`PreemptionCheckpointHandler`, with one process or many, through Orbax's
+`training.Checkpointer` (its v1 API) in `keras.callbacks.OrbaxCheckpoint`'s
+layout: a directory per step, the checkpointable `pytree` holding
+`model.get_state_tree()`'s groups (`model_config` and `assets` beside it
+for a full model), which Keras's `load_model` / `load_weights` read, plus
+`keras_dist`: the variables' paths in the model's order (a load need not
+match names) and, for a backup, where training stood (`meta`).
+
+Orbax does the work: its asynchronous save copies the state to the host
+and returns (each process its own parts, nothing gathered), writes on its
+threads, commits a step by a rename once every process has written
+(barriers through JAX's coordination service from its threads), keeps
+what the preservation policy says and deletes half-written steps. Its
+error reaches the training thread through `pipeline.Writer`. Arrays are
+written uncompressed (zstd saves ~9% of a trained float state's bytes and
+more than doubles a write's CPU time); with one process, without
+replica-parallel slicing (a device copy per replica of each replicated
+value, for nothing).
+"""
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from keras_dist._checkpoint.pipeline import Writer
+from keras_dist._keras_compat._orbax_private import without_preemption_queries
+from keras_dist.errors import IncompatibleBackupError
+
+__all__ = ["OrbaxStore", "restore"]
+
+# `model.get_state_tree()`'s groups, in its order.
+GROUPS = {
+    "trainable_variables": lambda m: m.trainable_variables,
+    "non_trainable_variables": lambda m: m.non_trainable_variables,
+    "optimizer_variables": lambda m: m.optimizer.variables if m.optimizer else [],
+    "metrics_variables": lambda m: m.metrics_variables,
+}
+WEIGHTS = ("trainable_variables", "non_trainable_variables")
+ORDER = "keras_dist"  # The checkpointable of the paths (and a backup's meta).
+
+
+def _ocp():
+    import orbax.checkpoint as ocp
+
+    return ocp.v1
+
+
+class _Saving:
+    """Orbax's save in flight, as `pipeline.Writer` watches one."""
+
+    def __init__(self, checkpointer):
+        self._checkpointer = checkpointer
+
+    def done(self) -> bool:
+        return not self._checkpointer.is_saving_in_progress()
+
+    def result(self) -> None:
+        self._checkpointer.wait()  # Raises the background save's error.
+
+
+class OrbaxStore:
+    """Numbered Orbax checkpoints of a model in `directory`; one save in flight.
+
+    `max_to_keep` / `keep_period`: Orbax's preservation policies (neither:
+    every step kept). `async_save=False` waits for each save to be
+    committed. `owner` and `what` ("backup") name them in errors.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        owner: str,
+        what: str = "checkpoint",
+        async_save: bool = True,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+    ):
+        ocp = _ocp()
+        policies = ocp.training.preservation_policies
+        kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
+        if keep_period:
+            kept.append(policies.EveryNSteps(keep_period))
+        context = ocp.Context()
+        saving = context.array.saving
+        saving.use_compression = False
+        saving.use_replica_parallel = jax.process_count() > 1
+        self.directory = directory
+        self.async_save = async_save
+        self._checkpointer = ocp.training.Checkpointer(
+            directory,
+            context=context,
+            preservation_policy=(
+                policies.AnyPreservationPolicy(kept)
+                if len(kept) > 1
+                else (kept[0] if kept else policies.PreserveAll())
+            ),
+            save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(
+                1
+            ),
+            cleanup_tmp_directories=True,
+        )
+        # Orbax asks JAX's preemption service at each save, also from its
+        # commit thread with the step it saved: the processes could agree on
+        # a step the training thread has passed (`_orbax_private.py`).
+        without_preemption_queries(self._checkpointer)
+        self._writer = Writer(
+            owner, f"The earlier checkpoints in {directory} are intact."
+        )
+        self._refuse_earlier_formats()
+
+    @property
+    def pending(self) -> bool:
+        return self._writer.pending
+
+    def steps(self) -> list[int]:
+        return sorted(c.step for c in self._checkpointer.checkpoints)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(
+        self,
+        model,
+        step: int,
+        *,
+        groups: tuple = tuple(GROUPS),
+        files: dict | None = None,
+        meta: dict | None = None,
+    ) -> str | None:
+        """Saves `groups` of `model`'s state tree as `step` (with `files`:
+        Keras's JSON and assets; with `meta`: a backup's); returns its
+        directory, or None if that step is saved already (an epoch's end
+        right after a save)."""
+        state = model.get_state_tree()
+        paths = {g: [v.path for v in GROUPS[g](model)] for g in groups}
+        record = {"paths": json.dumps(paths)}
+        if meta is not None:
+            record["meta"] = json.dumps(meta)
+        payload = {"pytree": {g: state[g] for g in groups}, ORDER: record}
+        if files:
+            payload.update(files)
+        self._writer.wait()  # One save in flight (and its error raised).
+        if step in self.steps():
+            return None
+        path = os.path.join(self.directory, str(step))
+        self._writer.submit(
+            f"the {self.what} of step {step} to {path}",
+            lambda: self._start(step, payload),
+        )
+        if not self.async_save:
+            self._writer.wait()
+        return path
+
+    def _start(self, step: int, payload: dict) -> _Saving:
+        self._checkpointer.save_checkpointables_async(step, payload)
+        return _Saving(self._checkpointer)
+
+    def check(self) -> None:
+        """Raises the error of a save that failed; never waits."""
+        self._writer.check()
+
+    def wait(self) -> None:
+        """Waits until the save in flight is committed (raises its error)."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._checkpointer.close()
+
+    def restore(self, model) -> dict | None:
+        """Loads the newest readable backup into `model`; returns its meta
+        (None: there is none). A backup that cannot be read is reported and
+        the previous one tried.
+
+        Raises:
+            IncompatibleBackupError: the backup was written by another model.
+            RuntimeError: no backup can be read.
+        """
+        import warnings
+
+        steps = self.steps()
+        for step in reversed(steps):
+            path = os.path.join(self.directory, str(step))
+            try:
+                meta, values = restore(model, path, backup=True)
+            except IncompatibleBackupError:
+                raise
+            except Exception as error:  # A torn or corrupt backup: an older one.
+                warnings.warn(
+                    f"BackupAndRestore: the backup of step {step} in "
+                    f"{self.directory} cannot be read ({type(error).__name__}: "
+                    f"{str(error)[:200]}); trying the previous one.",
+                    stacklevel=3,
+                )
+                continue
+            meta["metrics_values"] = values
+            return meta
+        if steps:
+            raise RuntimeError(
+                f"BackupAndRestore: none of the backups {steps} in "
+                f"{self.directory} can be read. Delete the directory to start "
+                "from scratch."
+            )
+        return None
+
+    def _refuse_earlier_formats(self) -> None:
+        """A backup of keras_dist 0.1 (one process: `arrays/`, its own raw
+        format; several: Orbax's v0 `state` item) is refused, not misread."""
+        for entry in os.scandir(self.directory):
+            if entry.name.isdigit() and any(
+                os.path.isdir(os.path.join(entry.path, item))
+                for item in ("arrays", "state")
+            ):
+                raise IncompatibleBackupError(
+                    f"The checkpoint {entry.path} is in the format keras_dist "
+                    "0.1.0 wrote before its saves went through Orbax's v1 "
+                    "layout (`arrays/`: keras_dist.raw_arrays/1; `state/`: an "
+                    "Orbax v0 item), which this keras_dist does not read. "
+                    "Finish that run with the keras_dist that wrote it, or "
+                    "delete the directory to start from scratch."
+                )
+
+
+def _step_directory(path: str) -> str:
+    steps = [int(e.name) for e in os.scandir(path) if e.name.isdigit() and e.is_dir()]
+    return os.path.join(path, str(max(steps))) if steps else path
+
+
+def _leaf(tree, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def _put(tree: dict, path: str, value) -> None:
+    *parents, name = path.split("/")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[name] = value
+
+
+def _mismatch(backup: bool, message: str) -> Exception:
+    if backup:
+        return IncompatibleBackupError(
+            f"{message} Resume with the model that wrote the backup, or delete "
+            "the directory."
+        )
+    return ValueError(f"{message} Load it into the model that wrote it.")
+
+
+def restore(model, path: str, *, backup: bool = False):
+    """Loads an Orbax checkpoint (a directory of steps: the newest; or a
+    step's directory) into `model`.
+
+    Variables are matched by their order in the model, as the checkpoint's
+    `keras_dist` record lists them, so names may differ from the saving
+    run's; a checkpoint of Keras's `OrbaxCheckpoint` (no record) is matched
+    by names, as Keras does. Each value is read in the layout of the
+    variable it goes to (another mesh, number of processes or one device).
+    An optimizer not built yet is built first. With `backup`, returns
+    `(meta, metrics values)` (`fit` resets the metrics: `BackupAndRestore`
+    assigns them again when the epoch begins); otherwise metrics not built
+    yet are left as they are.
+
+    Raises:
+        ValueError (IncompatibleBackupError with `backup`): the checkpoint
+            does not fit the model, naming the first variable that differs.
+    """
+    ocp = _ocp()
+    step_dir = _step_directory(path)
+    record = None
+    if os.path.isdir(os.path.join(step_dir, ORDER)):
+        record = ocp.load_checkpointables(step_dir, {ORDER: None})[ORDER]
+    order = json.loads(record["paths"]) if record else None
+    saved = ocp.pytree_metadata(step_dir, checkpointable_name="pytree").metadata
+    optimizer = getattr(model, "optimizer", None)
+    if "optimizer_variables" in saved and optimizer is not None and not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    abstract: dict = {}
+    targets = []
+    for group in (g for g in GROUPS if g in saved):  # The model's order.
+        leaves = saved[group]
+        abstract[group] = {}  # Orbax reads whole trees: every group, every leaf.
+        variables = list(GROUPS[group](model))
+        names = order[group] if order else [v.path for v in variables]
+        if not backup and group == "metrics_variables" and len(names) != len(variables):
+            # Metrics not built yet: their sums are read, not kept.
+            everywhere = jax.sharding.NamedSharding(
+                jax.sharding.Mesh(np.array(jax.devices()), ("all",)),
+                jax.sharding.PartitionSpec(),
+            )
+            abstract[group] = jax.tree.map(
+                lambda m, s=everywhere: jax.ShapeDtypeStruct(
+                    m.shape, m.dtype, sharding=s
+                ),
+                leaves,
+            )
+            continue
+        where = "backup" if backup else "checkpoint"
+        for variable, name in zip(variables, names, strict=False):
+            try:
+                meta = _leaf(leaves, name)
+            except (KeyError, TypeError):
+                raise _mismatch(
+                    backup,
+                    f"The {where} {step_dir} has no {group} {name!r} (this "
+                    f"model's {variable.path!r}). Keras's OrbaxCheckpoint matches "
+                    "variables by name: build the model as the saving script did.",
+                ) from None
+            if tuple(meta.shape) != tuple(variable.shape):
+                raise _mismatch(
+                    backup,
+                    f"The {where} in {path} does not fit this model: variable "
+                    f"{variable.path!r} has shape {tuple(variable.shape)} but the "
+                    f"{where}'s {name!r} has shape {tuple(meta.shape)}.",
+                )
+            key = f"{group}/{name}"
+            _put(
+                abstract,
+                key,
+                jax.ShapeDtypeStruct(
+                    meta.shape, meta.dtype, sharding=variable.value.sharding
+                ),
+            )
+            targets.append((variable, key, group))
+        if len(names) != len(variables):
+            raise _mismatch(
+                backup,
+                f"The {where} in {path} does not fit this model: it has "
+                f"{len(names)} {group}, the model {len(variables)}.",
+            )
+    loaded = ocp.load_checkpointables(step_dir, {"pytree": abstract})["pytree"]
+    metrics = []
+    for variable, key, group in targets:
+        variable.assign(_leaf(loaded, key))
+        if group == "metrics_variables":
+            metrics.append(np.asarray(_leaf(loaded, key)))
+    if not backup:
+        return None
+    return (json.loads(record["meta"]) if record and "meta" in record else {}), metrics
