@@ -117,13 +117,9 @@ def _timed(obj, name: str, record: list, save: bool = False) -> None:
 
 def _count_waits() -> None:
     """Times keras_dist's waits for a save in flight (outermost call only)."""
-    from keras_dist.callbacks import _background, _backup_store, _sharded_checkpoints
+    from keras_dist._checkpoint import pipeline
 
-    for cls in (
-        _background.BackgroundWriter,
-        _backup_store.BackupStore,
-        _sharded_checkpoints.ShardedCheckpoints,
-    ):
+    for cls in (pipeline.Writer,):
         method = cls.wait
 
         def wait(self, *args, _method=method, **kwargs):

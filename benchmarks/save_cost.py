@@ -11,29 +11,15 @@ process's CPU time counts.
 
     freeze        keras_dist's freeze of the state (a copy on the devices)
     raw_bytes     the frozen arrays' parts written to one file (the floor)
-    data_file_buffered  those parts written as a backup's data file is,
-                  through the page cache, then fsynced (a new file each
-                  time, the last two kept, as backups are)
-    data_file_direct    the same with direct I/O (`O_DIRECT`, a 16 MB
-                  staging buffer), as keras_dist writes data files
-    backup        kd.callbacks.BackupAndRestore's synchronous write (one
-                  process: Orbax's CheckpointManager around keras_dist's
-                  raw-parts handler, `callbacks/_raw_arrays.py`)
-    backup_orbax  the same backup in Orbax's PyTree format, as several
-                  processes write it (keras_dist's array handler: no
-                  sharding file, no replica-parallel slicing with one
-                  process); one process wrote it so before raw parts
-    backup_orbax_defaults  that write with Orbax's default array handler
-    backup_no_ocdbt  ... and without OCDBT (a TensorStore directory per
-                  array: Orbax's `use_ocdbt=False`)
+    backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax's
+                  v1 Checkpointer, `_checkpoint/orbax_store.py`)
     weights_h5    model.save_weights(".weights.h5") (Keras's writer)
-    weights_h5_background  keras_dist's `.weights.h5` writer, as
-                  ModelCheckpoint's background thread runs it (the state
-                  frozen before)
+    weights_h5_background  ModelCheckpoint's `.weights.h5` writer (Keras's
+                  H5IOStore from the frozen state), as its background
+                  thread runs it
 
     python benchmarks/save_cost.py                  # fsdp and mirrored, ~1 min
     python benchmarks/save_cost.py --layouts fsdp --repeats 8
-    python benchmarks/save_cost.py --no-gc-pause    # Orbax's writes as before
 
 Each part then runs `--stall-repeats` times more (default: `--repeats`)
 on a background thread, as an
@@ -46,12 +32,9 @@ single wait. That is what a save costs a host-bound loop, whatever the
 part's own CPU time.
 
 Each part's CPU time in Python's cyclic garbage collector is counted too
-(`gc.callbacks`): keras_dist pauses the collector during its Orbax writes;
-`--no-gc-pause` leaves it running (writes `save_cost_no_gc_pause.*`).
-`--fit-steps N` then trains N steps with an asynchronous `BackupAndRestore`
-saving every 2 steps and counts the collections on each thread (the
-training thread, the others) by generation: whether the pause only moves
-the full collections elsewhere.
+(`gc.callbacks`). `--fit-steps N` then trains N steps with an asynchronous
+`BackupAndRestore` saving every 2 steps and counts the collections on each
+thread (the training thread, the others) by generation.
 
 Writes `save_cost.{json,md}` to `--out` (the median of the repeats; the
 first is left out of it: it compiles and warms the caches).
@@ -74,12 +57,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 PARTS = [
     "freeze",
     "raw_bytes",
-    "data_file_buffered",
-    "data_file_direct",
     "backup",
-    "backup_orbax",
-    "backup_orbax_defaults",
-    "backup_no_ocdbt",
     "weights_h5",
     "weights_h5_background",
 ]
@@ -107,11 +85,6 @@ def _parser():
         type=int,
         default=1024,
         help="the MLP's width (1024: ~100 MB of state; smaller: a smoke run)",
-    )
-    p.add_argument(
-        "--no-gc-pause",
-        action="store_true",
-        help="Orbax's writes with Python's garbage collector running",
     )
     return p
 
@@ -219,12 +192,17 @@ def _parts(model, directory: str) -> dict:
     import jax
     import numpy as np
 
-    from keras_dist._keras_compat._freeze import freeze
-    from keras_dist.callbacks._backup_store import BackupStore
-    from keras_dist.callbacks._orbax import backup_type_handlers
+    from keras_dist._checkpoint.orbax_store import OrbaxStore
+    from keras_dist._checkpoint.pipeline import freeze
 
     state = list(model.variables) + list(model.optimizer.variables)
-    store = BackupStore(os.path.join(directory, "backup"), async_save=False)
+    store = OrbaxStore(
+        os.path.join(directory, "backup"),
+        owner="BackupAndRestore",
+        what="backup",
+        async_save=False,
+        max_to_keep=2,
+    )
     frozen: list = []
     count = iter(range(10**6))
 
@@ -237,50 +215,8 @@ def _parts(model, directory: str) -> dict:
                 for shard in a.addressable_shards:
                     f.write(memoryview(np.ascontiguousarray(shard.data)))
 
-    from keras_dist.utils._array_io import distinct_parts, write_file
-
-    def data_file(direct: bool):
-        files: list = []
-
-        def write():
-            files.append(os.path.join(directory, f"data{next(count)}.bin"))
-            buffers = [d for parts in distinct_parts(frozen) for _, d in parts]
-            write_file(files[-1], buffers, direct=direct)
-            while len(files) > 2:
-                os.remove(files.pop(0))
-
-        return write
-
     def backup():
-        store.save(model, next(count), {})
-
-    import orbax.checkpoint as ocp
-
-    def orbax_write(name: str, **handler_options):
-        """The backup's arrays in Orbax's PyTree format."""
-        manager = ocp.CheckpointManager(
-            os.path.join(directory, name),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=2, enable_async_checkpointing=False, create=True
-            ),
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(
-                    use_compression=False, **handler_options
-                ),
-            },
-        )
-
-        def write():
-            from keras_dist.callbacks import _backup_store
-
-            values = [v.value for v in state]
-            with _backup_store.collection_paused():  # As `backup`'s.
-                manager.save(
-                    next(count),
-                    args=ocp.args.Composite(state=ocp.args.PyTreeSave(values)),
-                )
-
-        return write
+        store.save(model, next(count), meta={})
 
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
@@ -298,14 +234,7 @@ def _parts(model, directory: str) -> dict:
     return {
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
-        "data_file_buffered": data_file(direct=False),
-        "data_file_direct": data_file(direct=True),
         "backup": backup,
-        "backup_orbax": orbax_write(
-            "orbax", type_handler_registry=backup_type_handlers()
-        ),
-        "backup_orbax_defaults": orbax_write("defaults"),
-        "backup_no_ocdbt": orbax_write("no_ocdbt", use_ocdbt=False),
         "weights_h5": weights_h5,
         "weights_h5_background": weights_h5_background,
     }
@@ -353,12 +282,6 @@ def main():
     os.environ["KERAS_BACKEND"] = "jax"
     import jax
 
-    if args.no_gc_pause:
-        import contextlib
-
-        from keras_dist.callbacks import _backup_store
-
-        _backup_store.collection_paused = contextlib.nullcontext
     collections = _Collections()
     rows, fit_rows = [], []
     for layout in args.layouts.split(","):
@@ -428,13 +351,11 @@ def main():
         "python": platform.python_version(),
         "repeats": args.repeats,
         "stall_repeats": args.stall_repeats or args.repeats,
-        "gc_pause": not args.no_gc_pause,
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "rows": rows,
         "fit_collections": fit_rows,
     }
-    stem = "save_cost_no_gc_pause" if args.no_gc_pause else "save_cost"
-    write_results(args.out, stem, payload, markdown, lambda *_: False)
+    write_results(args.out, "save_cost", payload, markdown, lambda *_: False)
 
 
 def markdown(payload: dict) -> str:
@@ -452,10 +373,7 @@ def markdown(payload: dict) -> str:
         "of the time that thread did "
         "not run (waiting for the GIL or a core); longest: its longest "
         "single stall. Garbage collector: "
-        "the mean of its CPU time and collections in a call (the Orbax "
-        "writes with it "
-        + ("paused" if payload.get("gc_pause", True) else "running")
-        + ").",
+        "the mean of its CPU time and collections in a call.",
         "",
         "| layout | part | state MB | CPU ms | CPU ms per MB | machine CPU ms "
         "| wall ms | minor page faults | garbage collector ms | collections "

@@ -109,8 +109,12 @@ class OrbaxStore:
         # commit thread with the step it saved: the processes could agree on
         # a step the training thread has passed (`_orbax_private.py`).
         without_preemption_queries(self._checkpointer)
+        self.what = what
         self._writer = Writer(
-            owner, f"The earlier checkpoints in {directory} are intact."
+            owner,
+            f"The previous {what} in {directory} is intact."
+            if what == "backup"
+            else f"The earlier {what}s in {directory} are intact.",
         )
         self._refuse_earlier_formats()
 
@@ -215,6 +219,8 @@ class OrbaxStore:
     def _refuse_earlier_formats(self) -> None:
         """A backup of keras_dist 0.1 (one process: `arrays/`, its own raw
         format; several: Orbax's v0 `state` item) is refused, not misread."""
+        if not os.path.isdir(self.directory):
+            return
         for entry in os.scandir(self.directory):
             if entry.name.isdigit() and any(
                 os.path.isdir(os.path.join(entry.path, item))
