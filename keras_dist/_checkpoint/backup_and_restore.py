@@ -168,7 +168,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # The previous execution's end, handled here rather than in an
         # `on_train_batch_end` hook, which would make Keras wait for every
-        # step (`_step_end.py`); the model's state is the same.
+        # step (`pipeline.StepEnd`); the model's state is the same.
         finished = self._step_end.begin(batch)
         if finished is None:
             return

@@ -225,7 +225,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
         self._write_index(done=False)
 
     # No per-step hook: Keras's makes `fit` wait for every step, even with
-    # `save_freq="epoch"` (`_step_end.py`). An execution's end is handled at
+    # `save_freq="epoch"` (`pipeline.StepEnd`). An execution's end is handled at
     # the next one's begin, or at the epoch's end. Only when the step's logs
     # name the file or decide the save (`save_best_only`) with an integer
     # `save_freq` does `__init__` put Keras's per-step hook back.
