@@ -8,6 +8,8 @@ import warnings
 
 import keras
 
+from keras_dist._checkpoint.orbax_store import restore
+
 __all__ = [
     "STATE_FILE",
     "SUFFIXES",
@@ -137,8 +139,6 @@ def load_checkpoint(model: keras.Model, path: "str | os.PathLike") -> None:
             f"path={path!r}, which does not exist."
         )
     if os.path.isdir(path):
-        from keras_dist._checkpoint.orbax_store import restore
-
         restore(model, path)
     else:
         model.load_weights(path)
