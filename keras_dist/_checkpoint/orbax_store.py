@@ -23,6 +23,7 @@ value, for nothing).
 
 import json
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -86,7 +87,14 @@ class OrbaxStore:
         kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
         if keep_period:
             kept.append(policies.EveryNSteps(keep_period))
-        context = ocp.Context()
+        # Two stores saving at once in several processes (a backup and a
+        # sharded checkpoint at the same step) each run Orbax's barriers from
+        # their commit threads: Orbax's documented prefix keeps them apart.
+        context = ocp.Context(
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=f"{owner}_{zlib.crc32(directory.encode())}_"
+            )
+        )
         saving = context.array.saving
         saving.use_compression = False
         saving.use_replica_parallel = jax.process_count() > 1

@@ -72,8 +72,10 @@ def _room_on_devices(values: list) -> bool:
             need[device] = need.get(device, 0) + part
     for device, nbytes in need.items():
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) if stats else None
-        if free is not None and "bytes_limit" in stats and nbytes > 0.9 * free:
+        if not stats or "bytes_limit" not in stats:
+            continue
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if nbytes > 0.9 * free:
             return False
     return True
 
@@ -124,7 +126,7 @@ def _plan(values: list) -> tuple[list, list, list]:
         if v.is_fully_replicated and len(v.sharding.device_set) > 1:
             values[i] = v = _first_replica(v)
         on_device = getattr(v.sharding, "memory_kind", None) in (None, "device")
-        key = (frozenset(d.id for d in v.sharding.device_set), on_device)
+        key = (frozenset(d.id for d in v.sharding.device_set), on_device)  # type: ignore[attr-defined]
         by_devices.setdefault(key, []).append(i)
     groups = [
         (on_device and _room_on_devices([values[i] for i in members]), members)
