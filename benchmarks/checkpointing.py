@@ -60,6 +60,8 @@ CONFIGS = [
     "mc_async",
     "mc_sharded",
     "keras_orbax",
+    "bar_async_thread",
+    "mc_async_thread",
 ]
 ASYNC = ("bar_async", "mc_async", "mc_sharded")
 
@@ -139,11 +141,12 @@ def render(path: str) -> None:
         combine(row["runs"]) if row.get("runs") and "error" not in row else row
         for row in payload["rows"]
     ]
-    payload.update(rows=rows, targets=analyse(rows), rendered=_now())
+    targets = analyse(rows, payload.get("platform", "cpu"))
+    payload.update(rows=rows, targets=targets, rendered=_now())
     write_results(str(source.parent), source.stem, payload, markdown, plot)
 
 
-def analyse(rows: list) -> list:
+def analyse(rows: list, platform_name: str = "cpu") -> list:
     targets = []
     for row in rows:
         if "error" in row:
@@ -177,24 +180,31 @@ def analyse(rows: list) -> list:
                 mine["extra_rss_mb"] - theirs["extra_rss_mb"]
                 for mine, theirs in zip(row["ranks"], base["ranks"], strict=True)
             ]
-        if row["config"] not in ASYNC:
+        row["added_ms_per_save"] = (
+            (row["steps_ms_per_step"] - base["steps_ms_per_step"]) * row["every"]
+            if base
+            else None
+        )
+        if row["config"] not in ASYNC or row["added_ms_per_save"] is None:
             continue
         name = f"{row['config']} {row['size']} {row['layout']}"
+        if platform_name != "cpu":  # A step's time is the device's there.
+            targets.append(
+                {
+                    "target": f"{name}: average step saving every "
+                    f"{row['every']} (the end-of-fit wait apart) <= 1.05x",
+                    "value": row["steps_slowdown"],
+                    "limit": 1.05,
+                    "pass": row["steps_slowdown"] <= 1.05,
+                }
+            )
+            continue
+        ratio = row["added_ms_per_save"] / max(row["host_copy_ms"], 1e-9)
         targets.append(
             {
-                "target": f"{name}: average step saving every {row['every']} "
-                "(the end-of-fit wait apart) <= 1.05x",
-                "value": row["steps_slowdown"],
-                "limit": 1.05,
-                "pass": row["steps_slowdown"] is not None
-                and row["steps_slowdown"] <= 1.05,
-            }
-        )
-        ratio = row["own_blocked_ms"] / max(row["host_copy_ms"], 1e-9)
-        targets.append(
-            {
-                "target": f"{name}: blocked per save (less the wait for the "
-                "previous save) <= 1.2x device->host copy",
+                "target": f"{name}: time a save adds to the training thread "
+                "(steps, batch end to batch end, against no save) <= 1.2x "
+                "the device->host copy of the state",
                 "value": ratio,
                 "limit": 1.2,
                 "pass": ratio <= 1.2,
@@ -226,8 +236,8 @@ def markdown(payload: dict) -> str:
         "only ms/step | x no-save | host CPU "
         "ms/step | blocked ms/save (median) | training thread CPU ms/save | "
         "of which waiting for the previous save | device->host ms | "
-        "end wait ms | extra RSS MB |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "end wait ms | extra RSS MB | added ms/save |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         if "error" in r:
@@ -244,7 +254,8 @@ def markdown(payload: dict) -> str:
             f"{fmt(r.get('host_cpu_ms'), 0)} | "
             f"{r['blocked_ms']:.1f} | {fmt(r['blocked_cpu_ms'], 1)} | "
             f"{r['waited_ms']:.1f} | {r['host_copy_ms']:.1f} | "
-            f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} |"
+            f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} | "
+            f"{fmt(r.get('added_ms_per_save'), 1)} |"
         )
     several = [r for r in payload["rows"] if "error" not in r and r.get("ranks")]
     if several:
@@ -328,7 +339,7 @@ def main():
             )
             runs[(size, layout, config)].append(row)
     rows = [combine(runs[job]) for job in jobs]
-    targets = analyse(rows)
+    targets = analyse(rows, args.platform)
     devices = next((r["devices"] for r in rows if "devices" in r), 8)
     payload = {
         "date": _now(),
@@ -337,6 +348,7 @@ def main():
         "steps": args.steps,
         "every": args.every,
         "repeats": args.repeats,
+        "platform": args.platform,
         "rows": rows,
         "targets": targets,
     }
