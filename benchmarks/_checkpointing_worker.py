@@ -28,9 +28,6 @@ from _runs import force_host_devices, print_result
 
 CONFIG, SIZE, LAYOUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, EVERY, DIRECTORY = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
-if CONFIG.endswith("_thread"):  # keras_dist's writer on a thread of this process.
-    os.environ["KERAS_DIST_CHECKPOINT_WRITER"] = "thread"
-    CONFIG = CONFIG.removesuffix("_thread")
 # Under keras-dist-run (`--processes 2`): its XLA_FLAGS give 4 devices each.
 PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "jax"
@@ -173,20 +170,9 @@ def callback(blocked: list):
 
 
 def _process_cpu_seconds() -> float:
-    """CPU time of every thread of this process (user + system), and of
-    keras_dist's checkpoint writer process if it runs."""
+    """This process's CPU time, every thread (user + system)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    seconds = usage.ru_utime + usage.ru_stime
-    from keras_dist._checkpoint import pipeline
-
-    if pipeline._process is not None:
-        try:
-            with open(f"/proc/{pipeline._process.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except OSError:
-            pass
-    return seconds
+    return usage.ru_utime + usage.ru_stime
 
 
 def _local_parts(value) -> list:

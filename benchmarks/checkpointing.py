@@ -60,8 +60,6 @@ CONFIGS = [
     "mc_async",
     "mc_sharded",
     "keras_orbax",
-    "bar_async_thread",
-    "mc_async_thread",
 ]
 ASYNC = ("bar_async", "mc_async", "mc_sharded")
 

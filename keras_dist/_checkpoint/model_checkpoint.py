@@ -20,8 +20,6 @@ from keras_dist._checkpoint.pipeline import (
     atomic_write,
     check_writable_dir,
     remove_stale_temps,
-    run_job,
-    start_writer_process,
 )
 from keras_dist._checks import check_int
 from keras_dist._keras_compat._access import step_counter
@@ -33,6 +31,7 @@ from keras_dist._keras_compat._saving import (
     record,
     reusable,
     snapshot,
+    write_snapshot,
 )
 from keras_dist.callbacks._lr_control import plain_learning_rate
 from keras_dist.data import _call
@@ -201,9 +200,6 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
-            self._sharded.prepare(
-                self.model, WEIGHTS if self.save_weights_only else tuple(GROUPS)
-            )
             # Keras's model JSON and assets, made once a `fit`, here: making
             # them waits for every step dispatched (it reads the learning
             # rate). A model Keras cannot serialize fails at the first save,
@@ -354,8 +350,6 @@ class ModelCheckpoint(ModelCheckpointHooks):
         built = self.model.built and (optimizer is None or optimizer.built)
         if not (self.async_save and not self.sharded and built):
             return
-        if _is_chief():
-            start_writer_process()
         # Every process, as a save walks (the walk may create variables).
         with plain_learning_rate(self.model):
             walk = record(self.model, with_config=False)
@@ -385,18 +379,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
             snap.release()
             return
 
-        job = (
-            "keras",
-            filepath,
-            snap.entries,
-            snap.config_json,
-            snap.metadata_json,
-            snap.assets_dir,
-        )
-
         def write() -> None:
             try:
-                run_job(job)  # In the writer process (`pipeline.py`).
+                atomic_write(filepath, lambda p: write_snapshot(snap, p))
             finally:
                 snap.release()
             self._record(filepath, epoch, step)

@@ -28,14 +28,7 @@ import zlib
 import jax
 import numpy as np
 
-from keras_dist._checkpoint.pipeline import (
-    Pending,
-    Writer,
-    freeze,
-    prepare,
-    run_job,
-    start_writer_process,
-)
+from keras_dist._checkpoint.pipeline import Writer
 from keras_dist._keras_compat._orbax_private import without_preemption_queries
 from keras_dist.errors import IncompatibleBackupError
 
@@ -89,14 +82,37 @@ class OrbaxStore:
         max_to_keep: int | None = None,
         keep_period: int | None = None,
     ):
+        ocp = _ocp()
+        policies = ocp.training.preservation_policies
+        kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
+        if keep_period:
+            kept.append(policies.EveryNSteps(keep_period))
+        # Two stores saving at once in several processes (a backup and a
+        # sharded checkpoint at the same step) each run Orbax's barriers from
+        # their commit threads: Orbax's documented prefix keeps them apart.
+        context = ocp.Context(
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=f"{owner}_{zlib.crc32(directory.encode())}_"
+            )
+        )
+        saving = context.array.saving
+        saving.use_compression = False
+        saving.use_replica_parallel = jax.process_count() > 1
         self.directory = directory
         self.async_save = async_save
-        self._options = {
-            "max_to_keep": max_to_keep,
-            "keep_period": keep_period,
-            "barrier_prefix": f"{owner}_{zlib.crc32(directory.encode())}_",
-        }
-        self._checkpointer = checkpointer(directory, **self._options)
+        self._checkpointer = ocp.training.Checkpointer(
+            directory,
+            context=context,
+            preservation_policy=(
+                policies.AnyPreservationPolicy(kept)
+                if len(kept) > 1
+                else (kept[0] if kept else policies.PreserveAll())
+            ),
+            save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(
+                1
+            ),
+            cleanup_tmp_directories=True,
+        )
         # Orbax asks JAX's preemption service at each save, also from its
         # commit thread with the step it saved: the processes could agree on
         # a step the training thread has passed (`_orbax_private.py`).
@@ -109,27 +125,12 @@ class OrbaxStore:
             else f"The earlier {what}s in {directory} are intact.",
         )
         self._refuse_earlier_formats()
-        # One process: the writer process saves (`pipeline.run_job`); this
-        # checkpointer only reads. Several: Orbax's own asynchronous save.
-        self._offload = jax.process_count() == 1
-        self._steps = sorted(c.step for c in self._checkpointer.checkpoints)
-        if self._offload:
-            start_writer_process()
 
     @property
     def pending(self) -> bool:
         return self._writer.pending
 
-    def prepare(self, model, groups: tuple = tuple(GROUPS)) -> None:
-        """Compiles the copies a save of `groups` dispatches, now (when `fit`
-        begins), not on the training thread at the first save."""
-        if self._offload:
-            state = model.get_state_tree()
-            prepare(jax.tree.leaves({g: state[g] for g in groups}))
-
     def steps(self) -> list[int]:
-        if self._offload:
-            return list(self._steps)
         return sorted(c.step for c in self._checkpointer.checkpoints)
 
     def latest(self) -> int | None:
@@ -169,15 +170,7 @@ class OrbaxStore:
             self._writer.wait()
         return path
 
-    def _saved(self, steps: list[int]) -> None:
-        self._steps = steps
-
-    def _start(self, step: int, payload: dict) -> Pending:
-        if self._offload:  # A snapshot on the devices; the writer process saves.
-            leaves, tree = jax.tree.flatten(payload["pytree"])
-            payload["pytree"] = jax.tree.unflatten(tree, freeze(leaves))
-            job = ("orbax", id(self), self.directory, self._options, step, payload)
-            return self._writer.in_background(lambda: self._saved(run_job(job)))
+    def _start(self, step: int, payload: dict) -> _Saving:
         self._checkpointer.save_checkpointables_async(step, payload)
         return _Saving(self._checkpointer)
 
@@ -194,8 +187,6 @@ class OrbaxStore:
             self._writer.close()
         finally:
             self._checkpointer.close()
-            if self._offload:
-                run_job(("close", id(self)))
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model`; returns its meta
@@ -251,43 +242,6 @@ class OrbaxStore:
                     "Finish that run with the keras_dist that wrote it, or "
                     "delete the directory to start from scratch."
                 )
-
-
-def checkpointer(
-    directory: str,
-    *,
-    max_to_keep: int | None,
-    keep_period: int | None,
-    barrier_prefix: str,
-):
-    """Orbax's `training.Checkpointer` of a store (`OrbaxStore`'s arguments)."""
-    ocp = _ocp()
-    policies = ocp.training.preservation_policies
-    kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
-    if keep_period:
-        kept.append(policies.EveryNSteps(keep_period))
-    # Two stores saving at once in several processes (a backup and a sharded
-    # checkpoint at one step) each run Orbax's barriers from their commit
-    # threads: Orbax's documented prefix keeps them apart.
-    context = ocp.Context(
-        multiprocessing_options=ocp.options.MultiprocessingOptions(
-            barrier_sync_key_prefix=barrier_prefix
-        )
-    )
-    saving = context.array.saving
-    saving.use_compression = False
-    saving.use_replica_parallel = jax.process_count() > 1
-    return ocp.training.Checkpointer(
-        directory,
-        context=context,
-        preservation_policy=(
-            policies.AnyPreservationPolicy(kept)
-            if len(kept) > 1
-            else (kept[0] if kept else policies.PreserveAll())
-        ),
-        save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(1),
-        cleanup_tmp_directories=True,
-    )
 
 
 def _step_directory(path: str) -> str:

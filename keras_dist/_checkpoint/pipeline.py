@@ -30,7 +30,6 @@ import functools
 import math
 import os
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,17 +45,13 @@ from jax.experimental import multihost_utils
 from keras_dist.errors import CheckpointWriteError
 
 __all__ = [
-    "Pending",
     "StepEnd",
     "Writer",
     "atomic_write",
     "check_writable_dir",
     "freeze",
-    "offloaded",
     "prepare",
     "remove_stale_temps",
-    "run_job",
-    "start_writer_process",
 ]
 
 # Snapshot --------------------------------------------------------------------
@@ -215,15 +210,12 @@ class Writer:
 
     def write(self, path: str, fn: Callable[[], None]) -> None:
         """Runs `fn` on this writer's thread (after the save in flight)."""
-        self.submit(path, lambda: self.in_background(fn))
-
-    def in_background(self, fn: Callable[[], None]) -> Pending:
-        """Starts `fn` on this writer's thread (a `start` of `submit`)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="keras_dist-checkpoint"
             )
-        return self._executor.submit(fn)
+        executor = self._executor
+        self.submit(path, lambda: executor.submit(fn))
 
     def check(self) -> None:
         """Raises the error of a finished write that failed; never waits."""
@@ -250,242 +242,6 @@ class Writer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-
-
-# The writer process ------------------------------------------------------------
-#
-# h5py and Orbax's Python hold Python's lock while they write (150-220 ms
-# per 96 MB on this box): on a thread of the training process they stall
-# the training loop as long. On Linux they run in a process of their own
-# (one per training process, started with the first checkpoint callback):
-# the writer thread copies the snapshot into shared memory (a memfd; numpy's
-# and JAX's copies release the lock), sends the job and waits for its
-# answer. `KERAS_DIST_CHECKPOINT_WRITER=thread` (and other platforms) run
-# the same jobs on the writer thread. The process ignores SIGINT and
-# SIGTERM (the training process finishes the save in flight on them) and
-# exits as soon as the training process is gone.
-
-
-class _Slot:
-    """An array's place in the shared buffer."""
-
-    def __init__(self, offset: int, shape: tuple, dtype: np.dtype):
-        self.offset, self.shape, self.dtype = offset, shape, dtype
-
-
-def offloaded() -> bool:
-    return (
-        hasattr(os, "memfd_create")
-        and os.environ.get("KERAS_DIST_CHECKPOINT_WRITER", "process") != "thread"
-    )
-
-
-def run_job(job: tuple) -> Any:
-    """Runs `job` (`_execute`'s) in the writer process, or on this thread."""
-    if not offloaded():
-        return _execute(job)
-    global _process
-    with _process_lock:
-        if _process is None or _process.proc.poll() is not None:
-            _process = _Process()
-        process = _process
-    return process.run(job)
-
-
-def start_writer_process() -> None:
-    """Starts the writer process now (Keras's import there takes seconds)."""
-    if offloaded():
-        global _process
-        with _process_lock:
-            if _process is None or _process.proc.poll() is not None:
-                _process = _Process()
-
-
-class _Process:
-    def __init__(self) -> None:
-        import multiprocessing.connection
-        import socket
-        import subprocess
-        import sys
-
-        ours, theirs = socket.socketpair()
-        self._life_r, self._life_w = os.pipe()  # EOF there: we are gone.
-        root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-        env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
-        env["CUDA_VISIBLE_DEVICES"] = ""  # No accelerator's memory taken there.
-        env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-        code = "from keras_dist._checkpoint import pipeline as p; p._main({}, {})"
-        code = code.format(theirs.fileno(), self._life_r)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code],
-            pass_fds=(theirs.fileno(), self._life_r),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-        theirs.close()
-        os.close(self._life_r)
-        self._socket = ours
-        self._conn = multiprocessing.connection.Connection(os.dup(ours.fileno()))
-        self._lock = threading.Lock()
-        self._ready = False
-        self._memfd, self._size, self._map = -1, 0, None
-
-    def _answer(self, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self._conn.poll(1.0):
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    "keras_dist's checkpoint writer process exited (status "
-                    f"{self.proc.returncode}) before answering"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    "keras_dist's checkpoint writer process did not start "
-                    f"in {timeout} s"
-                )
-        kind, value = self._conn.recv()
-        if kind == "error":
-            name, message = value
-            error_type = getattr(__import__("builtins"), name, None)
-            if not (isinstance(error_type, type) and issubclass(error_type, Exception)):
-                error_type = type(name, (RuntimeError,), {})
-            raise error_type(message)
-        return value
-
-    def run(self, job: tuple) -> Any:
-        import mmap
-        from multiprocessing import reduction
-
-        with self._lock:
-            if not self._ready:
-                self._answer(timeout=600)
-                self._ready = True
-            arrays: list = []
-            job = _map(lambda x: _slot(x, arrays) if _shared(x) else x, job)
-            size = sum(s.nbytes for _, s in arrays) + 64 * len(arrays)
-            grown = size > self._size
-            if grown:  # A new buffer (the old one's pages freed).
-                if self._map is not None:
-                    self._map.close()
-                    os.close(self._memfd)
-                self._size = max(size, 2 * self._size)
-                self._memfd = os.memfd_create("keras_dist-checkpoint")
-                os.ftruncate(self._memfd, self._size)
-                self._map = mmap.mmap(self._memfd, self._size)
-            offset = 0
-            for _, a in arrays:
-                if isinstance(a, jax.Array):
-                    a.copy_to_host_async()
-            for slot, a in arrays:
-                slot.offset = offset
-                _copy_into(np.ndarray(slot.shape, slot.dtype, self._map, offset), a)
-                offset += -(-a.nbytes // 64) * 64
-            self._conn.send((job, self._size if grown else None))
-            if grown:
-                reduction.send_handle(self._conn, self._memfd, self.proc.pid)
-            return self._answer(timeout=None)
-
-
-def _slot(x, arrays: list) -> _Slot:
-    slot = _Slot(0, tuple(x.shape), np.dtype(x.dtype))
-    arrays.append((slot, x))
-    return slot
-
-
-def _copy_into(dest: np.ndarray, a) -> None:
-    """`a`'s values into `dest`, each part once (no gather on the host)."""
-    if isinstance(a, jax.Array) and not a.is_fully_replicated:
-        for shard in a.addressable_shards:
-            if shard.replica_id == 0:
-                dest[shard.index] = np.asarray(shard.data)
-    else:
-        np.copyto(dest, np.asarray(a))
-
-
-def _shared(x) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array)) and np.dtype(x.dtype).kind in "biufcV"
-
-
-def _map(fn: Callable, obj):
-    """`fn` on the leaves of nested dicts, lists and tuples (orders kept)."""
-    if isinstance(obj, dict):
-        return {k: _map(fn, v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(fn, v) for v in obj)
-    return fn(obj)
-
-
-_process: _Process | None = None
-_process_lock = threading.Lock()
-_checkpointers: dict = {}  # The writer's Orbax checkpointers, by store.
-
-
-def _execute(job: tuple) -> Any:
-    """A write: ("keras", path, entries, config_json, metadata_json,
-    assets_dir): a `.weights.h5` / `.keras` file; ("orbax", store, directory,
-    options, step, payload): a step of an Orbax store (returns the steps it
-    keeps); ("close", store)."""
-    kind, *args = job
-    if kind == "keras":
-        from keras_dist._keras_compat._saving import Snapshot, write_snapshot
-
-        path, *parts = args
-        snap = Snapshot(*parts)
-        atomic_write(path, lambda tmp: write_snapshot(snap, tmp))
-        return None
-    from keras_dist._checkpoint.orbax_store import checkpointer
-
-    store, *args = args
-    if kind == "close":
-        if store in _checkpointers:
-            _checkpointers.pop(store).close()
-        return None
-    directory, options, step, payload = args
-    if store not in _checkpointers:
-        _checkpointers[store] = checkpointer(directory, **options)
-    saver = _checkpointers[store]
-    saver.save_checkpointables(step, payload)
-    return sorted(c.step for c in saver.checkpoints)
-
-
-def _view(shared, x):
-    return np.ndarray(x.shape, x.dtype, shared, x.offset) if isinstance(x, _Slot) else x
-
-
-def _main(fd: int, life: int) -> None:
-    """The writer process: runs the jobs it is sent, one at a time."""
-    import mmap
-    import multiprocessing.connection
-    import signal
-    from multiprocessing import reduction
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ):
-        signal.signal(sig, signal.SIG_IGN)  # EFBIG: an error, not a kill.
-    threading.Thread(
-        target=lambda: (os.read(life, 1), os._exit(1)), daemon=True
-    ).start()
-    conn = multiprocessing.connection.Connection(fd)
-    # Imported before "ready": the first save does not wait for them.
-    import keras_dist._checkpoint.orbax_store
-    import keras_dist._keras_compat._saving  # noqa: F401
-
-    conn.send(("ok", None))
-    shared = None
-    while True:
-        try:
-            job, size = conn.recv()
-        except EOFError:
-            return
-        if size is not None:
-            memfd = reduction.recv_handle(conn)
-            shared = mmap.mmap(memfd, size)
-            os.close(memfd)
-        job = _map(functools.partial(_view, shared), job)
-        try:
-            conn.send(("ok", _execute(job)))
-        except Exception as error:
-            conn.send(("error", (type(error).__name__, str(error))))
-        del job
 
 
 # Atomic commit -----------------------------------------------------------------

@@ -19,7 +19,6 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist._checkpoint import pipeline
 from keras_dist._checkpoint.orbax_store import OrbaxStore
 
 backup_dir = sys.argv[1]
@@ -53,9 +52,6 @@ class LimitFiles(keras.callbacks.Callback):
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             _soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
-            if pipeline._process is not None:  # keras_dist's writer process too.
-                writer = pipeline._process.proc.pid
-                resource.prlimit(writer, resource.RLIMIT_FSIZE, (1024, hard))
 
 
 rng = np.random.RandomState(0)

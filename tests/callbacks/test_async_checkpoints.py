@@ -231,6 +231,19 @@ def test_load_checkpoint_restores_onto_any_mesh_whatever_the_names(tmp_path, dev
     assert_weights_close(model.get_weights(), onto.get_weights(), rtol=1e-5)
 
 
+def test_a_relative_path_saves_and_loads(tmp_path, monkeypatch):
+    """As a user writes them: `ModelCheckpoint("ckpts", sharded=True)` and
+    `load_checkpoint(model, "ckpts")` from the working directory."""
+    monkeypatch.chdir(tmp_path)
+    model = build_in_scope(_fsdp(), WEIGHTS)
+    after = _fit(model, kd.callbacks.ModelCheckpoint("ckpts", sharded=True))
+    onto = build_in_scope(_fsdp(), initial_weights())
+    onto.optimizer.build(onto.trainable_variables)
+    kd.callbacks.load_checkpoint(onto, "ckpts")
+    assert_weights_close(after[8], onto.get_weights(), rtol=0, atol=0)
+    assert int(np.asarray(onto.optimizer.iterations)) == 8
+
+
 def test_load_checkpoint_refuses_another_model(tmp_path):
     model = build_in_scope(_fsdp(), WEIGHTS)
     directory = tmp_path / "sharded"
