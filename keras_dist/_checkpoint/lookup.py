@@ -8,7 +8,7 @@ import warnings
 
 import keras
 
-from keras_dist._checkpoint.orbax_store import restore
+from keras_dist._checkpoint.orbax_store import committed_steps, restore
 
 __all__ = [
     "STATE_FILE",
@@ -45,18 +45,6 @@ def _indexed_latest(state_path: str) -> str | None:
     return latest
 
 
-def _orbax_steps(directory: str) -> list[int]:
-    """The committed Orbax checkpoints of `directory` (a step's directory is
-    renamed to its number once complete)."""
-    if not os.path.isdir(directory):
-        return []
-    return [
-        int(entry.name)
-        for entry in os.scandir(directory)
-        if entry.name.isdigit() and entry.is_dir()
-    ]
-
-
 def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     """The newest checkpoint in `directory`, or None if there is none.
 
@@ -83,7 +71,7 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     ```
     """
     directory = os.fspath(directory)
-    if _orbax_steps(directory):
+    if committed_steps(directory):
         # `ModelCheckpoint(sharded=True)` or keras.callbacks.OrbaxCheckpoint:
         # Keras's loaders take the directory and read its newest step (they
         # do not recognise a step's own directory).

@@ -244,8 +244,20 @@ class OrbaxStore:
                 )
 
 
+def committed_steps(directory: str) -> list[int]:
+    """The committed Orbax checkpoints of `directory` (a step's directory is
+    renamed to its number once complete)."""
+    if not os.path.isdir(directory):
+        return []
+    return [
+        int(entry.name)
+        for entry in os.scandir(directory)
+        if entry.name.isdigit() and entry.is_dir()
+    ]
+
+
 def _step_directory(path: str) -> str:
-    steps = [int(e.name) for e in os.scandir(path) if e.name.isdigit() and e.is_dir()]
+    steps = committed_steps(path)
     return os.path.join(path, str(max(steps))) if steps else path
 
 
