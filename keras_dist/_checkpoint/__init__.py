@@ -13,7 +13,8 @@ in three formats, each written by the library made for it:
 - Orbax checkpoints in `keras.callbacks.OrbaxCheckpoint`'s layout, for
   `BackupAndRestore`, `ModelCheckpoint(sharded=True)` and
   `PreemptionCheckpointHandler`, in one process or many (`orbax_store.py`):
-  Orbax's own asynchronous save, commit and preservation policies;
+  Orbax's save (on the writer thread; with several processes its own
+  asynchronous save), commit and preservation policies;
 - the `checkpoint` index (`lookup.py`), which `latest_checkpoint` and the
   `SidecarEvaluator` read.
 

@@ -139,6 +139,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = strategy_of_model(self.model)
         self._replicas = strategy.num_replicas_in_sync if strategy else 1
         self._restore(call)
+        self._open_store().prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step

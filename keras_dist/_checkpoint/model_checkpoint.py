@@ -200,6 +200,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
+            self._sharded.prepare(
+                self.model, WEIGHTS if self.save_weights_only else tuple(GROUPS)
+            )
             # Keras's model JSON and assets, made once a `fit`, here: making
             # them waits for every step dispatched (it reads the learning
             # rate). A model Keras cannot serialize fails at the first save,

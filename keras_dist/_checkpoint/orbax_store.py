@@ -9,9 +9,12 @@ for a full model), which Keras's `load_model` / `load_weights` read, plus
 `keras_dist`: the variables' paths in the model's order (a load need not
 match names) and, for a backup, where training stood (`meta`).
 
-Orbax does the work: its asynchronous save copies the state to the host
-and returns (each process its own parts, nothing gathered), writes on its
-threads, commits a step by a rename once every process has written
+Orbax does the work. With one process, a snapshot on the devices
+(`pipeline.freeze`) is saved by Orbax's save on the writer thread (its
+asynchronous save would copy the state to the host first, waiting for
+every step dispatched). With several, Orbax's asynchronous save copies
+the state to the host and returns (each process its own parts, nothing
+gathered). Orbax writes, commits a step by a rename once every process has written
 (barriers through JAX's coordination service from its threads), keeps
 what the preservation policy says and deletes half-written steps. Its
 error reaches the training thread through `pipeline.Writer`. Arrays are
@@ -23,16 +26,19 @@ value, for nothing).
 
 import json
 import os
+import threading
 import zlib
 
 import jax
 import numpy as np
 
-from keras_dist._checkpoint.pipeline import Writer
+from keras_dist._checkpoint.pipeline import Pending, Writer, freeze, prepare
 from keras_dist._keras_compat._orbax_private import without_preemption_queries
 from keras_dist.errors import IncompatibleBackupError
 
-__all__ = ["OrbaxStore", "restore"]
+__all__ = ["OrbaxStore", "committed_steps", "restore"]
+
+_ONE_ORBAX_SAVE = threading.Lock()
 
 # `model.get_state_tree()`'s groups, in its order.
 GROUPS = {
@@ -130,6 +136,13 @@ class OrbaxStore:
     def pending(self) -> bool:
         return self._writer.pending
 
+    def prepare(self, model, groups: tuple = tuple(GROUPS)) -> None:
+        """Compiles the copies a save of `groups` dispatches, now (when `fit`
+        begins), not on the training thread at the first save."""
+        if jax.process_count() == 1:
+            state = model.get_state_tree()
+            prepare(jax.tree.leaves({g: state[g] for g in groups}))
+
     def steps(self) -> list[int]:
         return sorted(c.step for c in self._checkpointer.checkpoints)
 
@@ -170,9 +183,25 @@ class OrbaxStore:
             self._writer.wait()
         return path
 
-    def _start(self, step: int, payload: dict) -> _Saving:
+    def _start(self, step: int, payload: dict) -> Pending:
+        if jax.process_count() == 1:
+            # Orbax's asynchronous save copies the state to the host before
+            # it returns: a wait for every step dispatched (3.2-4.4 s a 96 MB
+            # save on 2 CPU cores). A snapshot on the devices instead, and
+            # Orbax's save on the writer thread. (Several processes: Orbax's
+            # save runs collectives, kept on the training thread.)
+            leaves, tree = jax.tree.flatten(payload["pytree"])
+            payload["pytree"] = jax.tree.unflatten(tree, freeze(leaves))
+            return self._writer.in_background(lambda: self._save(step, payload))
         self._checkpointer.save_checkpointables_async(step, payload)
         return _Saving(self._checkpointer)
+
+    def _save(self, step: int, payload: dict) -> None:
+        # Orbax's saves share process-wide state (its operation ids, the
+        # temporary directories they name): two at once from two writer
+        # threads (a backup and a sharded checkpoint of one step) collide.
+        with _ONE_ORBAX_SAVE:
+            self._checkpointer.save_checkpointables(step, payload)
 
     def check(self) -> None:
         """Raises the error of a save that failed; never waits."""

@@ -7,8 +7,9 @@ atomic commit -> keep policy.
   and the next step may donate the originals), or to host memory when the
   devices lack room. A replicated value is copied once, on each process's
   first device; a value with parts on other processes is gathered (a
-  collective every process runs in the same order). Orbax takes its own
-  snapshot: its asynchronous save copies the state to the host and returns.
+  collective every process runs in the same order). With several
+  processes Orbax takes its own snapshot: its asynchronous save copies the
+  state to the host (each process its parts) and returns.
 - **One background writer** (`Writer`): one save in flight per callback
   (a newer save waits for the older); a write that failed raises
   `kd.errors.CheckpointWriteError` (its path and cause) on the training
@@ -45,6 +46,7 @@ from jax.experimental import multihost_utils
 from keras_dist.errors import CheckpointWriteError
 
 __all__ = [
+    "Pending",
     "StepEnd",
     "Writer",
     "atomic_write",
@@ -208,14 +210,17 @@ class Writer:
         self._path = path
         self._pending = start()
 
-    def write(self, path: str, fn: Callable[[], None]) -> None:
+    def write(self, path: str, fn: Callable[[], object]) -> None:
         """Runs `fn` on this writer's thread (after the save in flight)."""
+        self.submit(path, lambda: self.in_background(fn))
+
+    def in_background(self, fn: Callable[[], object]) -> Pending:
+        """Starts `fn` on this writer's thread (a `start` of `submit`)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="keras_dist-checkpoint"
             )
-        executor = self._executor
-        self.submit(path, lambda: executor.submit(fn))
+        return self._executor.submit(fn)
 
     def check(self) -> None:
         """Raises the error of a finished write that failed; never waits."""
