@@ -257,9 +257,9 @@ def test_the_fence_finds_a_new_private_read(tmp_path, monkeypatch):
     """The lister is not blind: an unlisted read in a module is reported."""
     module = _PACKAGE / "_fence_probe.py"
     trees = _trees()
-    trees[module] = ast.parse("def f(model):\n    return model._compile_config\n")
+    trees[module] = ast.parse("def f(model):\n    return model._compile_metrics\n")
     attributes, _ = _used(trees)
-    assert attributes["_compile_config"] == ["keras_dist/_fence_probe.py:2"]
+    assert attributes["_compile_metrics"] == ["keras_dist/_fence_probe.py:2"]
 
 
 def test_the_tables_hold_at_most_80_names():

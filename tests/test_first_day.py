@@ -110,3 +110,38 @@ def test_an_unbatched_tf_dataset_is_named_as_such(under_strategy):
         (x.reshape(3, 8, 6), y.reshape(3, 8))
     )
     model.fit(pre_batched, verbose=0)
+
+
+def test_fit_on_arrays_imports_tensorflow_no_more_than_keras(tmp_path):
+    """Plain Keras's `fit` on NumPy arrays does not import TensorFlow (~3 s
+    and its threads); under a strategy, with the label checks that read the
+    compiled metrics and a backup, neither."""
+    code = f"""
+import sys
+import keras_dist as kd
+import keras, numpy as np
+
+def fit(scope, backup=None):
+    with scope:
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(
+            "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["sparse_categorical_accuracy"],
+        )
+    x = np.random.RandomState(0).randn(61, 6).astype("float32")
+    y = np.arange(61) % 3
+    callbacks = [backup] if backup else []
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=callbacks, verbose=0)
+    return model
+
+import contextlib
+fit(contextlib.nullcontext())
+print("keras", "tensorflow" in sys.modules)
+strategy = kd.MirroredStrategy()
+backup = kd.callbacks.BackupAndRestore({str(tmp_path / "backup")!r}, save_freq=2)
+fit(strategy.scope(), backup).save_weights({str(tmp_path / "w.weights.h5")!r})
+print("keras_dist", "tensorflow" in sys.modules)
+"""
+    result = _python(code, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-3:] == ["keras False", "keras_dist False", ""]

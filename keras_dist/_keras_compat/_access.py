@@ -5,7 +5,8 @@ reason): the optimizer's learning-rate object (its public `learning_rate`
 is the evaluated rate, and its setter cannot put a variable back once a
 schedule is installed), its micro-step counter and gradient accumulators,
 the layout a variable was created with, the epoch `fit` starts from, the
-state the JAX trainer holds between steps. Imports nothing of keras_dist:
+state the JAX trainer holds between steps, the arguments `compile` was
+called with. Imports nothing of keras_dist:
 any layer may call these.
 """
 
@@ -17,6 +18,7 @@ import numpy as np
 __all__ = [
     "accumulated_gradients",
     "assigned_layout",
+    "compile_arguments",
     "global_seed",
     "learning_rate_object",
     "micro_steps",
@@ -77,6 +79,19 @@ def optimizer_trainable_variables(optimizer: Any) -> list:
 def set_initial_epoch(model: Any, epoch: int | None) -> None:
     """The epoch `fit` starts from (Keras's `BackupAndRestore` sets it so)."""
     model._initial_epoch = epoch
+
+
+def compile_arguments(model: Any) -> dict:
+    """The arguments `model.compile` was called with, as passed (loss and
+    metrics objects, names, functions); empty before `compile`.
+
+    The public `get_compile_config()` serializes them, and Keras's serializer
+    imports TensorFlow where it is installed (to test for a `TensorShape`):
+    ~3 s at the first `fit`, which the same `fit` without keras_dist does not
+    pay.
+    """
+    config = getattr(model, "_compile_config", None)
+    return dict(getattr(config, "config", None) or {})
 
 
 def global_seed() -> int | None:

@@ -118,8 +118,15 @@ PRIVATE_ATTRIBUTES: tuple = (
         ("_jax_state", "_jax_state_synced"),
     ),
     # _access: the epoch `fit` starts from (Keras's `BackupAndRestore` sets
-    # it so); _loop: the nightly's build of an unbuilt model from batches.
-    ("keras.src.trainers.trainer", "Trainer", ("_initial_epoch", "_symbolic_build")),
+    # it so), the arguments `compile` was called with (the public
+    # `get_compile_config()` serializes them, importing TensorFlow: ~3 s at
+    # the first `fit`); _loop: the nightly's build of an unbuilt model from
+    # batches.
+    (
+        "keras.src.trainers.trainer",
+        "Trainer",
+        ("_initial_epoch", "_compile_config", "_symbolic_build"),
+    ),
     # _access: the learning-rate object (the public `learning_rate` is its
     # evaluated value, and its setter untracks the variable and cannot put
     # it back over a schedule), the micro-step counter and accumulators of

@@ -29,6 +29,8 @@ import jax
 import keras
 import numpy as np
 
+from keras_dist._keras_compat._access import compile_arguments
+
 __all__ = [
     "BatchSignature",
     "BatchTargets",
@@ -222,8 +224,7 @@ def _sparse_names(model: Any) -> tuple[list[str], int | None]:
     if _is_sparse(loss):
         names.append(_name(loss))
         ignore_class = _ignore_class(loss)
-    config = model.get_compile_config() if getattr(model, "compiled", False) else None
-    for metric in (config or {}).get("metrics") or []:
+    for metric in compile_arguments(model).get("metrics") or []:
         if _is_sparse(metric):
             names.append(_name(metric))
     return list(dict.fromkeys(names)), ignore_class
