@@ -141,6 +141,7 @@ if kind == "numpy":
 else:
     import tensorflow as tf
 
+    tf.random.set_seed(42)  # As `keras.utils.set_random_seed(42)` would.
     shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(61, seed=3)
     inputs = {
         "repeat": {"x": shuffled.batch(8).repeat(), "steps_per_epoch": 5},

@@ -2,10 +2,7 @@
 
 `fit_run` and `custom_loop_run` take any strategy and return plain numbers, so
 the multi-process script (`mwms_script.py`) and the in-process reference
-(`test_multi_worker.py`) run exactly the same code. TensorFlow is imported
-only by the runs that read a tf.data input: the kill and restart runs read
-NumPy arrays and start without it (its import is ~3 s of each process those
-tests start, dozens of times).
+(`test_multi_worker.py`) run exactly the same code.
 """
 
 import os
@@ -14,6 +11,7 @@ import time
 import jax
 import keras
 import numpy as np
+import tensorflow as tf
 
 import keras_dist as kd
 from tests._helpers import (
@@ -89,8 +87,6 @@ def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dic
     py_history = py_model.fit(
         _Batches(x, y, sw), epochs=EPOCHS, shuffle=False, verbose=0
     )
-
-    import tensorflow as tf
 
     tf_model = build_in_scope(strategy, weights, batch_norm=True)
     dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
@@ -171,8 +167,6 @@ def sparse_run(strategy) -> dict:
 
 def custom_loop_run(strategy) -> dict:
     """The seeds' custom loop: stateless step in `strategy.run`, SGD + momentum."""
-    import tensorflow as tf
-
     x, y, _ = make_data(N_TRAIN)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     distributed = strategy.experimental_distribute_dataset(dataset)
@@ -248,8 +242,6 @@ class _PrintSteps(keras.callbacks.Callback):
 
 def _stepped_input(kind: str, x, y, sw) -> dict:
     """Inputs read with `steps_per_epoch` (see `backup_run`)."""
-    import tensorflow as tf
-
     shuffled = tf.data.Dataset.from_tensor_slices((x, y, sw)).shuffle(101, seed=3)
 
     def endless():
@@ -267,15 +259,6 @@ def _stepped_input(kind: str, x, y, sw) -> dict:
     }[kind]
 
 
-def _drawn_weights() -> list[np.ndarray]:
-    """`make_model()`'s initial weights drawn with NumPy (`initial_weights`
-    seeds Keras with `keras.utils.set_random_seed`, which imports TensorFlow
-    to seed it too)."""
-    draw = np.random.RandomState(1234)
-    shapes = [w.shape for w in make_model().get_weights()]
-    return [draw.uniform(-0.5, 0.5, shape).astype("float32") for shape in shapes]
-
-
 def backup_run(
     strategy, backup_dir: str, kill_at: int | None = None, kind: str = "numpy"
 ) -> list:
@@ -285,7 +268,7 @@ def backup_run(
     `steps_per_epoch` (`_stepped_input`).
     """
     x, y, sw = make_data(N_TRAIN)
-    model = build_in_scope(strategy, _drawn_weights())
+    model = build_in_scope(strategy, initial_weights())
     # Synchronous: a process killed right after a save expects it on disk.
     backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=3, async_save=False)
     callbacks = [backup, _PrintSteps()]
@@ -306,7 +289,7 @@ def kill_trial_run(strategy, workdir: str) -> list:
     files (`tests/cluster/test_kill_trials.py`).
     """
     x, y, sw = make_data(N_TRAIN)
-    model = build_in_scope(strategy, _drawn_weights())
+    model = build_in_scope(strategy, initial_weights())
     callbacks = [
         kd.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=1),
         kd.callbacks.ModelCheckpoint(
