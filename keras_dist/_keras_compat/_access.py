@@ -6,7 +6,7 @@ is the evaluated rate, and its setter cannot put a variable back once a
 schedule is installed), its micro-step counter and gradient accumulators,
 the layout a variable was created with, the epoch `fit` starts from, the
 state the JAX trainer holds between steps, the arguments `compile` was
-called with. Imports nothing of keras_dist:
+called with and those a loss passes its function. Imports nothing of keras_dist:
 any layer may call these.
 """
 
@@ -21,6 +21,7 @@ __all__ = [
     "compile_arguments",
     "global_seed",
     "learning_rate_object",
+    "loss_function_arguments",
     "micro_steps",
     "optimizer_trainable_variables",
     "set_initial_epoch",
@@ -92,6 +93,14 @@ def compile_arguments(model: Any) -> dict:
     """
     config = getattr(model, "_compile_config", None)
     return dict(getattr(config, "config", None) or {})
+
+
+def loss_function_arguments(loss: Any) -> dict:
+    """The keyword arguments a loss made from a function (Keras's
+    `LossFunctionWrapper`) passes it, e.g. `ignore_class`; empty for another
+    loss. Its `get_config()` serializes the function too, which imports
+    TensorFlow."""
+    return dict(getattr(loss, "_fn_kwargs", None) or {})
 
 
 def global_seed() -> int | None:

@@ -127,6 +127,10 @@ PRIVATE_ATTRIBUTES: tuple = (
         "Trainer",
         ("_initial_epoch", "_compile_config", "_symbolic_build"),
     ),
+    # _access: the arguments a loss made from a function passes it (Keras
+    # 3.16 keeps `ignore_class` only there; `get_config()` serializes the
+    # function too, importing TensorFlow: ~3 s at the first `fit`).
+    ("keras.src.losses.losses", "LossFunctionWrapper", ("_fn_kwargs",)),
     # _access: the learning-rate object (the public `learning_rate` is its
     # evaluated value, and its setter untracks the variable and cannot put
     # it back over a schedule), the micro-step counter and accumulators of

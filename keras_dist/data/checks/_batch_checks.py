@@ -29,7 +29,10 @@ import jax
 import keras
 import numpy as np
 
-from keras_dist._keras_compat._access import compile_arguments
+from keras_dist._keras_compat._access import (
+    compile_arguments,
+    loss_function_arguments,
+)
 
 __all__ = [
     "BatchSignature",
@@ -231,15 +234,21 @@ def _sparse_names(model: Any) -> tuple[list[str], int | None]:
 
 
 def _ignore_class(loss: Any) -> int | None:
-    """The `ignore_class` of a sparse loss: from its config (Keras 3.16 keeps
-    it in the wrapped function's arguments, 3.15 also as an attribute)."""
+    """The `ignore_class` of a sparse loss: Keras 3.15 keeps it as an
+    attribute, 3.16 only in the arguments the loss passes its function (its
+    `get_config()` serializes the function too, which imports TensorFlow)."""
+    if hasattr(loss, "ignore_class"):
+        return loss.ignore_class
+    arguments = loss_function_arguments(loss)
+    if "ignore_class" in arguments:
+        return arguments["ignore_class"]
     get_config = getattr(loss, "get_config", None)
-    if callable(get_config):
+    if callable(get_config):  # Another loss class.
         try:
             return get_config().get("ignore_class")
         except (NotImplementedError, TypeError):
             pass
-    return getattr(loss, "ignore_class", None)
+    return None
 
 
 def _is_sparse(item: Any) -> bool:
