@@ -282,24 +282,26 @@ def backup_run(
     return _listed(model.get_weights())
 
 
-def kill_trial_run(strategy, workdir: str) -> list:
+def kill_trial_run(strategy, workdir: str, *, save: bool = True) -> list:
     """12 shuffled epochs of 7 steps, a backup and an async checkpoint each step.
 
     `workdir/backup` holds the backups, `workdir/ckpts` the `.weights.h5`
-    files (`tests/cluster/test_kill_trials.py`).
+    files (`tests/cluster/test_kill_trials.py`); without `save`, the same
+    training saving nothing (the reference).
     """
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
-    callbacks = [
-        kd.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=1),
-        kd.callbacks.ModelCheckpoint(
-            os.path.join(workdir, "ckpts", "ckpt_{epoch}_{batch}.weights.h5"),
-            save_weights_only=True,
-            save_freq=1,
-            max_to_keep=3,
-        ),
-        _PrintSteps(),
-    ]
+    callbacks = [_PrintSteps()]
+    if save:
+        callbacks[:0] = [
+            kd.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=1),
+            kd.callbacks.ModelCheckpoint(
+                os.path.join(workdir, "ckpts", "ckpt_{epoch}_{batch}.weights.h5"),
+                save_weights_only=True,
+                save_freq=1,
+                max_to_keep=3,
+            ),
+        ]
     model.fit(
         x, y, sample_weight=sw, batch_size=BATCH, epochs=12, shuffle=True,
         callbacks=callbacks, verbose=0,

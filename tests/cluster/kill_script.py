@@ -7,7 +7,8 @@ Used by tests/cluster/test_kill_trials.py. Each step: an asynchronous
 and an asynchronous `ModelCheckpoint` `.weights.h5` (the chief writes it
 in the background).
 Writes `pid_<rank>` at start (the test kills one of them) and
-`weights_<rank>.json` when `fit` ends; KD_STEP_SECONDS slows each step.
+`weights_<rank>.json` when `fit` ends; KD_STEP_SECONDS slows each step;
+KD_SAVE=0 trains the same saving nothing (the reference).
 """
 
 import json
@@ -30,6 +31,7 @@ from tests.cluster import _workload  # noqa: E402
 workdir = pathlib.Path(sys.argv[1])
 rank = jax.process_index()
 (workdir / f"pid_{rank}").write_text(str(os.getpid()))
-weights = _workload.kill_trial_run(strategy, str(workdir))
+save = os.environ.get("KD_SAVE", "1") == "1"
+weights = _workload.kill_trial_run(strategy, str(workdir), save=save)
 (workdir / f"weights_{rank}.json").write_text(json.dumps(weights))
 print(f"rank {rank} done", flush=True)
