@@ -13,7 +13,10 @@ tables declare (`keras_dist/_keras_compat/_private.py`, `_SEAMS`,
 import ast
 import functools
 import importlib
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import tensorflow  # noqa: F401  (the TF entries are checked once TF is imported)
@@ -223,6 +226,8 @@ def test_the_tables_list_nothing_the_code_no_longer_uses():
 
 def test_the_tables_hold_in_the_installed_releases():
     assert _private.check() == []
+    assert _private.check("orbax") == []  # Checked at Orbax's first use.
+    assert _private.check("tensorflow") == []
     assert _private.check_signatures(_keras_compat._originals) == []
     assert set(_private.SIGNATURES) == {
         path for _, path, wrap in _keras_compat._SEAMS if wrap is not None
@@ -353,3 +358,35 @@ def test_a_seam_reading_a_strategys_private_attribute_is_found():
     assert _cross_package_reads(trees) == [
         "keras_dist/_keras_compat/_probe.py:2: strategy._state_layout"
     ]
+
+
+def test_orbax_is_imported_and_checked_at_its_first_use_not_at_import():
+    code = (
+        "import sys, keras_dist; print('orbax' in sys.modules); "
+        "from keras_dist._checkpoint import orbax_store; orbax_store._ocp(); "
+        "print('orbax' in sys.modules)"
+    )
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
+
+
+def test_a_moved_orbax_name_fails_loudly_at_its_first_use(monkeypatch):
+    from keras_dist._checkpoint import orbax_store
+
+    table = (
+        *_private.PRIVATE_ATTRIBUTES,
+        ("orbax.checkpoint.experimental.v1._src.training.checkpointer",
+         "Checkpointer", ("_no_such_manager",)),
+    )  # fmt: skip
+    monkeypatch.setattr(_private, "PRIVATE_ATTRIBUTES", table)
+    orbax_store._ocp.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"no longer has \[.*_no_such_manager"):
+            orbax_store._ocp()
+    finally:
+        orbax_store._ocp.cache_clear()

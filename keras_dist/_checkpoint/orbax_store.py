@@ -24,6 +24,7 @@ replica-parallel slicing (a device copy per replica of each replicated
 value, for nothing).
 """
 
+import functools
 import json
 import os
 import threading
@@ -33,6 +34,7 @@ import jax
 import numpy as np
 
 from keras_dist._checkpoint.pipeline import Pending, Writer, freeze, prepare
+from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._orbax_private import without_preemption_queries
 from keras_dist.errors import IncompatibleBackupError
 
@@ -51,9 +53,19 @@ WEIGHTS = ("trainable_variables", "non_trainable_variables")
 ORDER = "keras_dist"  # The checkpointable of the paths (and a backup's meta).
 
 
+@functools.cache
 def _ocp():
     import orbax.checkpoint as ocp
 
+    # Orbax's private names keras_dist uses, checked at its first use (not
+    # at `import keras_dist`, which leaves Orbax unimported).
+    missing = _private.check("orbax")
+    if missing:
+        raise ImportError(
+            f"keras_dist: orbax-checkpoint {ocp.__version__} no longer has "
+            f"{missing}; keras_dist is tested with orbax-checkpoint 0.11 and "
+            "0.12: install one of those."
+        )
     return ocp.v1
 
 

@@ -16,7 +16,9 @@ This module lists the rest, so that the fence is whole:
 - `SIGNATURES`: the parameters each wrapped function was written for.
 
 `check()` fails loudly (an `ImportError` naming the missing names) when a
-release moves one; `tests/test_fence.py` reads every private name the code
+release moves one: at `import keras_dist` for Keras and JAX; Orbax's names
+at Orbax's first use (`_checkpoint/orbax_store.py`: keras_dist imports
+Orbax only to checkpoint); `tests/test_fence.py` reads every private name the code
 of `keras_dist/` uses from its syntax tree and compares it with these tables.
 """
 
@@ -329,9 +331,25 @@ def _has(cls: type, attribute: str) -> bool:
     return any(pattern.search(_class_source(klass)) for klass in cls.__mro__)
 
 
-def _missing_attributes(table: tuple) -> list[str]:
+# Packages keras_dist imports only when used (TensorFlow for tf.data, Orbax
+# for checkpoints): their names are checked once they are imported
+# (`check(package)`), not at `import keras_dist` (Orbax's import alone is
+# 0.5 s).
+_LAZY = ("tensorflow", "orbax")
+
+
+def _loaded(module: str, lazy: bool) -> bool:
+    """Whether `module`'s names are checked now: not those of a lazily
+    imported package not yet imported (with `lazy`)."""
+    package = module.split(".")[0]
+    return not lazy or package not in _LAZY or package in sys.modules
+
+
+def _missing_attributes(table: tuple, lazy: bool = True) -> list[str]:
     missing = []
     for module, name, attributes in table:
+        if not _loaded(module, lazy):
+            continue
         cls = _class(module, name)
         if cls is None:
             missing.append(f"{module}.{name}")
@@ -340,24 +358,33 @@ def _missing_attributes(table: tuple) -> list[str]:
     return missing
 
 
-def _missing_imports(table: tuple) -> list[str]:
+def _missing_imports(table: tuple, lazy: bool = True) -> list[str]:
     missing = []
     for module, name in table:
-        if module.startswith("tensorflow") and "tensorflow" not in sys.modules:
+        if not _loaded(module, lazy):
             continue
         if _releases.find(f"{module}.{name}") is None:
             missing.append(f"{module}.{name}")
     return missing
 
 
-def check() -> list[str]:
-    """The listed private names a Keras, JAX or TF release no longer has."""
-    missing = _missing_imports(PRIVATE_IMPORTS) + _missing_attributes(
-        PRIVATE_ATTRIBUTES
+def check(package: str | None = None) -> list[str]:
+    """The listed private names a Keras, JAX, TF or Orbax release no longer has.
+
+    Those of TensorFlow and Orbax only once imported; `package` ("orbax"):
+    that package's names only, importing it.
+    """
+    if package is None:
+        missing = _missing_imports(PRIVATE_IMPORTS) + _missing_attributes(
+            PRIVATE_ATTRIBUTES
+        )
+        return missing + _missing_attributes(TF_PRIVATE_ATTRIBUTES)
+    imports = tuple(e for e in PRIVATE_IMPORTS if e[0].split(".")[0] == package)
+    tables = (PRIVATE_ATTRIBUTES, TF_PRIVATE_ATTRIBUTES)
+    attributes = tuple(e for t in tables for e in t if e[0].split(".")[0] == package)
+    return _missing_imports(imports, lazy=False) + _missing_attributes(
+        attributes, lazy=False
     )
-    if "tensorflow" in sys.modules:
-        missing += _missing_attributes(TF_PRIVATE_ATTRIBUTES)
-    return missing
 
 
 def check_signatures(originals: dict[str, Any]) -> list[str]:
