@@ -26,8 +26,10 @@ def proto():
     return lm.train_proto()
 
 
+# ZeRO-1 lays its variables out as Mirrored does (it splits optimizer slots,
+# which `generate` never reads): left out.
 GENERATE_STRATEGIES = {
-    **STRATEGIES,
+    **{name: make for name, make in STRATEGIES.items() if name != "zero1"},
     "model_parallel_2": lambda: kd.MirroredStrategy(model_parallel=2),
     "model_parallel_4": lambda: kd.MirroredStrategy(model_parallel=4),
     "model_parallel_8": lambda: kd.MirroredStrategy(model_parallel=8),
@@ -187,7 +189,8 @@ def test_other_causal_lms_generate_one_devices_tokens(kind, make):
         model = build()
         model.compile(sampler="greedy")
     model.set_weights(reference.get_weights())
-    for n in _prompt_counts(strategy):
+    # N+1 prompts (a partial batch): the other counts are Gemma's tests above.
+    for n in (strategy.num_replicas_in_sync + 1,):
         prompts = prompts_of(n)
         want = reference.generate(prompts, stop_token_ids=None)
         with strategy.scope():

@@ -264,36 +264,60 @@ def lm_references():
     return {kind: _lm_run(kd.OneDeviceStrategy("cpu:0"), kind) for kind in _BUILDERS}
 
 
+@pytest.fixture(scope="module")
+def automatic_runs():
+    """`automatic_runs(kind)`: the strategy, the run and the warnings it
+    raised, of `model_parallel=4` (automatic layouts); each model trained
+    once, for the tests below."""
+    runs = {}
+
+    def run(kind):
+        if kind not in runs:
+            strategy = kd.MirroredStrategy(model_parallel=4)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                runs[kind] = strategy, _lm_run(strategy, kind), caught
+        return runs[kind]
+
+    return run
+
+
 def _largest_kernel(model):
     return max(model.weights, key=lambda v: int(np.prod(v.shape)))
 
 
-# keras-hub's layout maps are each model's own: both models. The automatic
-# layouts are rules over any model's weights: one model each (the greedy
-# `generate` tests below fit both models on the automatic layout too).
+# Both models on each setup but FSDP (automatic layouts with variables split
+# over the rows too: one model). The automatic runs are trained once for this
+# test and the `generate` tests below.
 @pytest.mark.parametrize(
     "setup, kind",
     [
         ("automatic", "gemma"),
+        ("automatic", "llama"),
         ("keras_hub_layout_map", "gemma"),
         ("keras_hub_layout_map", "llama"),
         ("automatic_fsdp", "llama"),
     ],
 )
-def test_keras_hub_causal_lm_on_a_2d_mesh_equals_one_device(lm_references, kind, setup):
+def test_keras_hub_causal_lm_on_a_2d_mesh_equals_one_device(
+    lm_references, automatic_runs, kind, setup
+):
     if setup == "automatic":
-        strategy = kd.MirroredStrategy(model_parallel=4)
-    elif setup == "automatic_fsdp":
-        strategy = kd.MirroredStrategy(model_parallel=4, shard_variables=True)
-    else:  # keras-hub's own rules, on a (2, 4) mesh the layout map decides.
-        mesh = keras.distribution.DeviceMesh(
-            (2, 4), ("batch", "model"), devices=keras.distribution.list_devices()
-        )
-        strategy = kd.MirroredStrategy(layout_map=_BACKBONES[kind].get_layout_map(mesh))
+        strategy, run, caught = automatic_runs(kind)
+    else:
+        if setup == "automatic_fsdp":
+            strategy = kd.MirroredStrategy(model_parallel=4, shard_variables=True)
+        else:  # keras-hub's own rules, on a (2, 4) mesh the layout map decides.
+            mesh = keras.distribution.DeviceMesh(
+                (2, 4), ("batch", "model"), devices=keras.distribution.list_devices()
+            )
+            strategy = kd.MirroredStrategy(
+                layout_map=_BACKBONES[kind].get_layout_map(mesh)
+            )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run = _lm_run(strategy, kind)
     assert dict(strategy.mesh.shape) == {"batch": 2, "model": 4}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        run = _lm_run(strategy, kind)
     _assert_same(run, lm_references[kind])
     largest = _largest_kernel(run[0]).value
     share = largest.addressable_shards[0].data.size / largest.size
@@ -309,7 +333,9 @@ def test_keras_hub_causal_lm_on_a_2d_mesh_equals_one_device(lm_references, kind,
 
 
 @pytest.mark.parametrize("kind", ["gemma", "llama"])
-def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references, kind):
+def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(
+    lm_references, automatic_runs, kind
+):
     rng = np.random.RandomState(3)
     prompt = {
         "token_ids": np.concatenate(
@@ -318,14 +344,15 @@ def test_greedy_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references, ki
         "padding_mask": np.arange(12)[None, :].repeat(3, 0) < 4,
     }
     want = lm_references[kind][0].generate(prompt, max_length=12, stop_token_ids=None)
-    strategy = kd.MirroredStrategy(model_parallel=4)
-    model = _lm_run(strategy, kind)[0]
+    model = automatic_runs(kind)[1][0]
     got = model.generate(prompt, max_length=12, stop_token_ids=None)
     np.testing.assert_array_equal(got["token_ids"], want["token_ids"])
     assert (got["token_ids"][:, 4:] != 0).all()  # It generated.
 
 
-def test_seeded_top_k_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_references):
+def test_seeded_top_k_generate_on_a_2d_mesh_gives_one_devices_tokens(
+    lm_references, automatic_runs
+):
     prompt = {
         "token_ids": np.array([[5, 6, 7, 8] + [0] * 8] * 2, "int32"),
         "padding_mask": np.arange(12)[None, :].repeat(2, 0) < 4,
@@ -341,7 +368,7 @@ def test_seeded_top_k_generate_on_a_2d_mesh_gives_one_devices_tokens(lm_referenc
             _compile_lm(model)  # Greedy again: the reference is shared.
 
     want = sample(lm_references["llama"][0])
-    model = _lm_run(kd.MirroredStrategy(model_parallel=4), "llama")[0]
+    model = automatic_runs("llama")[1][0]
     np.testing.assert_array_equal(sample(model), want)
 
 
