@@ -342,7 +342,7 @@ def _loaded(module: str, lazy: bool) -> bool:
     """Whether `module`'s names are checked now: not those of a lazily
     imported package not yet imported (with `lazy`)."""
     package = module.split(".")[0]
-    return not lazy or package not in _LAZY or package in sys.modules
+    return not lazy or package not in _LAZY or sys.modules.get(package) is not None
 
 
 def _missing_attributes(table: tuple, lazy: bool = True) -> list[str]:

@@ -35,7 +35,7 @@ def full_tensorflow() -> str | None:
 
     `tensorflow-cpu` (what keras_dist needs for `tf.data`) gives `None`.
     """
-    if "tensorflow" not in sys.modules:
+    if sys.modules.get("tensorflow") is None:  # Not imported, or blocked.
         return None
     for name in _FULL_TENSORFLOW:
         try:

@@ -11,7 +11,6 @@ import time
 import jax
 import keras
 import numpy as np
-import tensorflow as tf
 
 import keras_dist as kd
 from tests._helpers import (
@@ -43,8 +42,15 @@ class _Batches(keras.utils.PyDataset):
         return tuple(a[index * BATCH : (index + 1) * BATCH] for a in self.arrays)
 
 
-def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dict:
-    """fit (NumPy and tf.data), evaluate and predict, with a partial last batch.
+def fit_run(
+    strategy,
+    workdir: str | None = None,
+    *,
+    fused: bool = False,
+    other_inputs: bool = True,
+) -> dict:
+    """fit (NumPy, and with `other_inputs` a PyDataset and tf.data), evaluate
+    and predict, with a partial last batch.
 
     With `fused`, also a fit and predict with `steps_per_execution=3`.
     """
@@ -82,6 +88,15 @@ def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dic
         x[:N_EVAL], y[:N_EVAL], batch_size=BATCH, return_dict=True, verbose=0
     )
     predictions = model.predict(x[:N_EVAL], batch_size=BATCH, verbose=0)
+    result = {
+        "history": history.history,
+        "weights": _listed(model.get_weights()),
+        "evaluate": evaluation,
+        "predict": predictions.tolist(),
+        **(_fused_run(strategy, weights, x, y, sw) if fused else {}),
+    }
+    if not other_inputs:
+        return result
 
     py_model = build_in_scope(strategy, weights, batch_norm=True)
     py_history = py_model.fit(
@@ -89,19 +104,17 @@ def fit_run(strategy, workdir: str | None = None, *, fused: bool = False) -> dic
     )
 
     tf_model = build_in_scope(strategy, weights, batch_norm=True)
+    import tensorflow as tf  # Here, not at the top: kill_script.py has none.
+
     dataset = tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(BATCH)
     tf_history = tf_model.fit(dataset, epochs=EPOCHS, verbose=0)
 
     return {
-        "history": history.history,
-        "weights": _listed(model.get_weights()),
-        "evaluate": evaluation,
-        "predict": predictions.tolist(),
+        **result,
         "py_history": py_history.history,
         "py_weights": _listed(py_model.get_weights()),
         "tf_history": tf_history.history,
         "tf_weights": _listed(tf_model.get_weights()),
-        **(_fused_run(strategy, weights, x, y, sw) if fused else {}),
     }
 
 
@@ -168,6 +181,8 @@ def sparse_run(strategy) -> dict:
 def custom_loop_run(strategy) -> dict:
     """The seeds' custom loop: stateless step in `strategy.run`, SGD + momentum."""
     x, y, _ = make_data(N_TRAIN)
+    import tensorflow as tf  # Here, not at the top: kill_script.py has none.
+
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     distributed = strategy.experimental_distribute_dataset(dataset)
     weights = initial_weights()
@@ -242,6 +257,8 @@ class _PrintSteps(keras.callbacks.Callback):
 
 def _stepped_input(kind: str, x, y, sw) -> dict:
     """Inputs read with `steps_per_epoch` (see `backup_run`)."""
+    import tensorflow as tf  # Here, not at the top: kill_script.py has none.
+
     shuffled = tf.data.Dataset.from_tensor_slices((x, y, sw)).shuffle(101, seed=3)
 
     def endless():

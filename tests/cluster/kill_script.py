@@ -17,8 +17,12 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+# As on a machine without TensorFlow (keras_dist does not need it; NumPy
+# input): Keras's `set_random_seed`, which keras_dist calls to agree on a
+# seed, would import it (3 s of each of the chain's ~44 process starts).
+sys.modules["tensorflow"] = None  # type: ignore[assignment]
 
-import keras_dist as kd
+import keras_dist as kd  # noqa: E402
 
 strategy = kd.MultiWorkerMirroredStrategy(
     communication_options=kd.CommunicationOptions(timeout_seconds=60)

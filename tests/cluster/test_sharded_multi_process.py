@@ -2,8 +2,8 @@
 
 FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
 `ParameterServerStrategy` split variables and slots over all 8 devices, so
-each variable has parts on both processes: fit (NumPy, PyDataset, tf.data),
-evaluate, predict, ModelCheckpoint (every process takes part in the gather,
+each variable has parts on both processes: fit (NumPy; FSDP also PyDataset
+and tf.data), evaluate, predict, ModelCheckpoint (every process takes part in the gather,
 the chief writes), a custom loop and (FSDP) a keras-hub GPT-2 must give
 the one-device numbers; so must `model_parallel=4` on a (2, 4) mesh whose
 replicas (mesh rows) each stay inside one process.
@@ -136,10 +136,13 @@ def test_fit_evaluate_predict_match_one_device(cluster, name):
         np.testing.assert_allclose(
             got["predict"], expected["predict"], rtol=1e-5, atol=1e-6
         )
-        assert_history_close(expected["py_history"], got["py_history"])
-        assert_weights_close(expected["py_weights"], got["py_weights"])
-        assert_history_close(expected["tf_history"], got["tf_history"])
-        assert_weights_close(expected["tf_weights"], got["tf_weights"])
+        if name == "fsdp":  # The other input kinds: once (sharded_script.py).
+            assert_history_close(expected["py_history"], got["py_history"])
+            assert_weights_close(expected["py_weights"], got["py_weights"])
+            assert_history_close(expected["tf_history"], got["tf_history"])
+            assert_weights_close(expected["tf_weights"], got["tf_weights"])
+        else:
+            assert "py_history" not in got and "tf_history" not in got
     assert results[0][name]["fit"]["weights"] == results[1][name]["fit"]["weights"]
 
 
