@@ -71,6 +71,15 @@ def test_generate_on_token_ids_gives_one_devices_tokens(strategy_and_model, refe
         assert got["padding_mask"].sum() > prompts["padding_mask"].sum()  # New.
 
 
+# The samplers on one strategy of each variable layout (whole on one device,
+# replicated, split by a partitioner, on a 2-D mesh automatic and keras-hub's):
+# the layouts are what `generate` distributes, each tested above with greedy.
+@pytest.mark.parametrize(
+    "strategy_and_model",
+    ["one_device", "mirrored", "parameter_server", "model_parallel_4",
+     "keras_hub_layout_map"],
+    indirect=True,
+)  # fmt: skip
 def test_seeded_top_k_and_stop_token_ids_give_one_devices_tokens(
     strategy_and_model, reference
 ):
