@@ -3,9 +3,9 @@
 FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
 `ParameterServerStrategy` split variables and slots over all 8 devices, so
 each variable has parts on both processes: fit (NumPy; FSDP also PyDataset
-and tf.data), evaluate, predict, ModelCheckpoint (every process takes part in the gather,
-the chief writes), a custom loop and (FSDP) a keras-hub GPT-2 must give
-the one-device numbers; so must `model_parallel=4` on a (2, 4) mesh whose
+and tf.data), evaluate, predict, ModelCheckpoint (every process takes part
+in the gather, the chief writes), a custom loop and (FSDP) a keras-hub GPT-2
+must give the one-device numbers; so must `model_parallel=4` on a (2, 4) mesh whose
 replicas (mesh rows) each stay inside one process.
 """
 
