@@ -215,7 +215,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 except Exception:
                     pass
         self._last_save = time.monotonic()
-        self._recorded = None  # Keras's saving walk, kept while it is reusable.
+        self._recorded = None  # Keras's saving walk, kept for this `fit`.
         self._prepare_background_saves()
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
@@ -282,9 +282,12 @@ class ModelCheckpoint(ModelCheckpointHooks):
     def _finish(self) -> None:
         """Finishes the save in flight (raises its error); idempotent."""
         sharded, self._sharded = self._sharded, None
+        recorded, self._recorded = self._recorded, None
         try:
             self._writer.close()
         finally:
+            if recorded is not None:
+                recorded.release()  # Its assets' temporary directory.
             if sharded is not None:
                 sharded.close()
 
@@ -355,10 +358,12 @@ class ModelCheckpoint(ModelCheckpointHooks):
             return
         # Every process, as a save walks (the walk may create variables).
         with plain_learning_rate(self.model):
-            walk = record(self.model, with_config=False)
+            walk = record(self.model, with_config=not self.save_weights_only)
         prepare_snapshot(walk)
-        if self.save_weights_only and reusable(walk):
+        if reusable(walk):
             self._recorded = walk
+        else:
+            walk.release()
 
     def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
         """The state to host memory here; the file written on the writer thread."""

@@ -131,10 +131,12 @@ class OrbaxStore:
             ),
             cleanup_tmp_directories=True,
         )
-        # Orbax asks JAX's preemption service at each save, also from its
-        # commit thread with the step it saved: the processes could agree on
-        # a step the training thread has passed (`_orbax_private.py`).
-        without_preemption_queries(self._checkpointer)
+        # With several processes Orbax asks JAX's preemption service at each
+        # save, also from its commit thread with the step it saved: the
+        # processes could agree on a step the training thread has passed
+        # (`_orbax_private.py`). (One process has no preemption service.)
+        if jax.process_count() > 1:
+            without_preemption_queries(self._checkpointer)
         self.what = what
         self._writer = Writer(
             owner,

@@ -9,7 +9,12 @@ splits that walk from the writing:
   values a layer computes from them, e.g. a LoRA-merged kernel), then every
   value frozen (`_checkpoint/pipeline.freeze`). With `with_config`, the
   model's config and metadata JSON and its assets too. A walk that found
-  only variables is `reusable` at later steps (Keras's walk takes ~0.1 s).
+  only variables is `reusable` at later steps of the same `fit` (Keras's
+  walk takes ~0.1 s and creates reference objects, Keras's serialization
+  reads the learning rate on the host: a wait for every step dispatched).
+  The config does not change while `fit` runs; the learning rate it holds
+  is the one at the walk, and the optimizer's variables saved beside it
+  hold the current one, which a loaded model gets.
 - `write_snapshot(snapshot, path)`, on any thread: the records replayed
   into Keras's own `H5IOStore` (h5py writes the bytes): the `.weights.h5`
   file `save_weights` writes, or, inside Keras's zip layout with the JSON
@@ -17,7 +22,9 @@ splits that walk from the writing:
 """
 
 import contextlib
+import datetime
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -103,8 +110,9 @@ class Snapshot:
     entries: list  # [(path, metadata, {key: array})], in Keras's order.
     config_json: str | None = None
     metadata_json: str | None = None
-    assets_dir: str | None = None  # A temporary directory (removed by `release`).
+    assets_dir: str | None = None  # A temporary directory.
     nbytes: int = field(default=0)
+    owns_assets: bool = True  # `release` removes `assets_dir`.
 
     def values(self) -> list:
         return [v for _, _, group in self.entries for v in group.values()]
@@ -119,7 +127,7 @@ class Snapshot:
 
     def release(self) -> None:
         self.entries = []  # Frees the device copies.
-        if self.assets_dir is not None:
+        if self.assets_dir is not None and self.owns_assets:
             shutil.rmtree(self.assets_dir, ignore_errors=True)
             self.assets_dir = None
 
@@ -230,8 +238,8 @@ def _optimizer_variables(model, entries: list) -> None:
 
 
 def reusable(recorded: Snapshot) -> bool:
-    """Whether every recorded value is a variable (and no config is kept)."""
-    return recorded.config_json is None and all(
+    """Whether every recorded value is a variable (the walk can be kept)."""
+    return all(
         isinstance(v, keras.Variable)
         for _, _, group in recorded.entries
         for v in group.values()
@@ -259,12 +267,20 @@ def snapshot(
     ]
     for (i, k), value in zip(keys, frozen, strict=True):
         entries[i][2][k] = value
+    metadata = recorded.metadata_json
+    if metadata is not None:  # Saved now, not when the walk was recorded.
+        metadata = json.dumps(
+            json.loads(metadata)
+            | {"date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")}
+        )
     return Snapshot(
         entries=entries,
         config_json=recorded.config_json,
-        metadata_json=recorded.metadata_json,
+        metadata_json=metadata,
         assets_dir=recorded.assets_dir,
         nbytes=sum(int(v.nbytes) for v in frozen),
+        # A kept walk's assets serve its later snapshots too.
+        owns_assets=not reusable(recorded),
     )
 
 

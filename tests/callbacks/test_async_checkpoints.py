@@ -367,6 +367,49 @@ def test_sharded_checkpoints_hold_the_model_json_and_assets(tmp_path):
         assert vocab == b"x\ny\nz"
 
 
+def test_keras_files_saved_in_one_fit_each_hold_their_step(tmp_path):
+    """`.keras` saves reuse Keras's saving walk of the `fit` (recorded when it
+    begins): each file still loads with Keras alone, with the weights and
+    the learning rate of its epoch, the assets, and its own save date; the
+    walk's temporary asset copy is gone after `fit`."""
+    import glob
+    import tempfile
+    import zipfile
+
+    leftovers = set(
+        glob.glob(os.path.join(tempfile.gettempdir(), "keras_dist-assets-*"))
+    )
+    with _fsdp().scope():
+        model = keras.Sequential(
+            [keras.Input((6,)), _WithAsset(["x", "y"]), keras.layers.Dense(3)]
+        )
+        compile_model(model)
+    after = _fit(
+        model,
+        kd.callbacks.ModelCheckpoint(str(tmp_path / "ckpt_{epoch}.keras")),
+        keras.callbacks.LearningRateScheduler(lambda epoch: 0.1 / (epoch + 1)),
+        epochs=3,
+    )
+    for epoch in (1, 2, 3):
+        path = str(tmp_path / f"ckpt_{epoch}.keras")
+        loaded = keras.models.load_model(
+            path, custom_objects={"_WithAsset": _WithAsset}
+        )
+        assert int(np.asarray(loaded.optimizer.iterations)) == 4 * epoch
+        assert float(np.asarray(loaded.optimizer.learning_rate)) == pytest.approx(
+            0.1 / epoch
+        )
+        assert_weights_close(after[4 * epoch], loaded.get_weights(), rtol=0, atol=0)
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+            assert any(n.endswith("vocab.txt") for n in names), names
+            assert "metadata.json" in names and "config.json" in names
+    assert (
+        set(glob.glob(os.path.join(tempfile.gettempdir(), "keras_dist-assets-*")))
+        == leftovers
+    )
+
+
 def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     """A save freezes one replica of a mirrored value (8 copies cost 8 times
     the device memory and copying), and each device's part of a split one."""
