@@ -2,22 +2,17 @@
 atomic commit -> keep policy.
 
 - **Snapshot** (`freeze`, on the training thread): the values to save,
-  copied on their devices in one compiled, asynchronously dispatched
-  program (the training thread does not wait for the step computing them,
-  and the next step may donate the originals), or to host memory when the
-  devices lack room. A replicated value is copied once, on each process's
-  first device; a value with parts on other processes is gathered (a
-  collective every process runs in the same order). With several
-  processes Orbax takes its own snapshot: its asynchronous save copies the
-  state to the host (each process its parts) and returns.
-- **One background writer** (`Writer`): one save in flight per callback
-  (a newer save waits for the older); a write that failed raises
-  `kd.errors.CheckpointWriteError` (its path and cause) on the training
-  thread at the next step, save or the end of `fit`. It runs Keras's file
-  writing on a thread of its own, or watches Orbax's asynchronous save.
-- **Atomic commit** (`atomic_write`): a file is written under a temporary
-  name in its directory, fsynced and renamed (Orbax commits a step
-  directory the same way); a crash leaves the previous checkpoint intact.
+  copied on their devices by one compiled program dispatched without
+  waiting for the step computing them (the next step may donate the
+  originals), or to host memory where the devices lack room. A replicated
+  value is copied once; a value with parts on other processes is gathered
+  (a collective). With several processes Orbax's asynchronous save takes
+  its own snapshot (each process its parts).
+- **One background writer** (`Writer`): one save in flight per callback; a
+  failed write raises `kd.errors.CheckpointWriteError` (its path and
+  cause) on the training thread at the next step, save or end of `fit`.
+- **Atomic commit** (`atomic_write`): written under a temporary name,
+  fsynced, renamed (Orbax commits a step directory the same way).
 - **Keep policy**: `ModelCheckpoint`'s `max_to_keep` / `keep_period` for
   files, Orbax's preservation policies for its directories.
 
