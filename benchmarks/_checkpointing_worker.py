@@ -1,6 +1,7 @@
 """One checkpointing configuration in a fresh process (`checkpointing.py`).
 
-    python benchmarks/_checkpointing_worker.py CONFIG SIZE LAYOUT STEPS EVERY DIR
+    python benchmarks/_checkpointing_worker.py CONFIG SIZE LAYOUT STEPS EVERY DIR \
+        [PAIRS]
 
 Trains an MLP with Adam (`SIZE`: its state, weights + Adam's two slots, of
 ~100 MB or ~1 GB) under `LAYOUT` (`fsdp`: MirroredStrategy(shard_variables=
@@ -16,6 +17,14 @@ waits there for the steps already dispatched), the wait for saves in
 flight at the end of `fit`, the device -> host copy time of the whole
 state (the limit of any save that snapshots it), the peak RSS above the
 RSS before the timed `fit`.
+
+With `PAIRS` > 0 (a saving configuration) it then times `PAIRS` more pairs
+of `fit`s in this process, one without a checkpoint callback and one with a
+new one saving into a new directory, alternating: each from its first batch's
+begin to its end (before the wait for the last write), every hook inside.
+`paired_added_ms_per_save`: the median of the saving `fit`s less the
+median of the others, per save: the time a save adds, with no difference
+between processes in it (`paired_nosave_ms`, `paired_save_ms`).
 """
 
 import os
@@ -28,6 +37,7 @@ from _runs import force_host_devices, print_result
 
 CONFIG, SIZE, LAYOUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, EVERY, DIRECTORY = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+PAIRS = int(sys.argv[7]) if len(sys.argv) > 7 else 0
 # Under keras-dist-run (`--processes 2`): its XLA_FLAGS give 4 devices each.
 PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "jax"
@@ -135,9 +145,21 @@ def _count_waits() -> None:
         cls.wait = wait
 
 
-def callback(blocked: list):
+class _Window(keras.callbacks.Callback):
+    """A `fit` from its first batch's begin to its end (first in the list:
+    before the checkpoint callback's wait for its last write)."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0 and not hasattr(self, "start"):
+            self.start = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+        self.seconds = time.perf_counter() - self.start
+
+
+def callback(blocked: list, directory: str = DIRECTORY):
     """The configuration's checkpoint callback, its save entry point timed."""
-    path = os.path.join(DIRECTORY, "ckpt")
+    path = os.path.join(directory, "ckpt")
     if CONFIG == "nosave":
         return None
     if CONFIG in ("bar_sync", "bar_async"):
@@ -245,6 +267,8 @@ def main():
         )
         seconds = time.perf_counter() - start
         cpu = _process_cpu_seconds() - cpu
+    blocked_cpu, waited = list(BLOCKED_CPU), list(WAITED)  # The timed fit's.
+    paired = _pairs(model, x[BATCH * EVERY :], y[BATCH * EVERY :])
     state = sum(v.value.nbytes for v in model.variables + model.optimizer.variables)
     print_result(
         {
@@ -266,16 +290,48 @@ def main():
             "saves": len(blocked),
             "host_cpu_ms_per_step": [1000 * cpu / STEPS],
             "blocked_s": blocked,
-            "blocked_cpu_s": BLOCKED_CPU,
-            "waited_s": WAITED,
+            "blocked_cpu_s": blocked_cpu,
+            "waited_s": waited,
             "end_wait_s": sum(ends),
             "host_copy_s": host_copy_seconds(model),
             "peak_rss_mb": rss.peak / 2**20,
             "extra_rss_mb": max(0, rss.peak - rss_before) / 2**20,
             "first_epoch_s": 0.0,
             "final_loss": float(history.history["loss"][-1]),
+            **paired,
         }
     )
+
+
+def _pairs(model, x, y) -> dict:
+    """`PAIRS` pairs of timed `fit`s, without and with saving (see above)."""
+    if PAIRS <= 0 or CONFIG == "nosave":
+        return {}
+    import shutil
+    import statistics
+
+    times: dict = {"nosave": [], "save": []}
+    saves = []
+    for i in range(PAIRS):
+        for kind in ("nosave", "save"):
+            window, blocked = _Window(), []
+            callbacks = [window]
+            if kind == "save":
+                directory = os.path.join(DIRECTORY, f"pair{i}")
+                callbacks.append(callback(blocked, directory))
+            model.fit(
+                x, y, batch_size=BATCH, verbose=0, shuffle=False, callbacks=callbacks
+            )
+            times[kind].append(window.seconds)
+            if kind == "save":
+                saves.append(len(blocked))
+                shutil.rmtree(directory, ignore_errors=True)
+    added = statistics.median(times["save"]) - statistics.median(times["nosave"])
+    return {
+        "paired_nosave_ms": [1000 * t / STEPS for t in times["nosave"]],
+        "paired_save_ms": [1000 * t / STEPS for t in times["save"]],
+        "paired_added_ms_per_save": 1000 * added / max(statistics.median(saves), 1),
+    }
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ ahead of the devices, whose state the save reads, are shown apart and left
 out of that target), the wait at the end of `fit` for the save in flight,
 and the peak RSS above the RSS before the timed `fit`, and the time a
 save adds to the training thread: the steps' time (batch end to batch end,
-every hook inside) less `nosave`'s, per save. PASS/MISS for issue 48's
+every hook inside) less `nosave`'s, per save; and, as the target reads it
+(`--pairs`, default 3), the same measured inside each saving run's process:
+fits without and with saving alternating there, so the 10-30% by which
+fresh processes differ is not in it. PASS/MISS for issue 48's
 targets, for the asynchronous keras_dist configurations: on CPU that added
 time <= 1.2x the device -> host copy of the state; on an accelerator
 (`--platform gpu`, saves further apart than one write) the average step
@@ -94,6 +97,14 @@ def _parser():
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument(
+        "--pairs",
+        type=int,
+        default=3,
+        help="in each saving run, this many more fits without and with "
+        "saving, alternating in the process: the time a save adds with no "
+        "difference between processes in it (0: off)",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -117,6 +128,11 @@ def combine(runs: list) -> dict:
         row[key] = statistics.median(r[key] for r in done)
     row["steps_ms_per_step"] = statistics.median(_steps_ms(r) for r in done)
     row["extra_rss_mb"] = max(r["extra_rss_mb"] for r in done)
+    paired = [
+        r["paired_added_ms_per_save"] for r in done if "paired_added_ms_per_save" in r
+    ]
+    if paired:
+        row["paired_added_ms_per_save"] = statistics.median(paired)
     return row
 
 
@@ -200,11 +216,18 @@ def analyse(rows: list, platform_name: str = "cpu") -> list:
                 }
             )
             continue
-        ratio = row["added_ms_per_save"] / max(row["host_copy_ms"], 1e-9)
+        paired = row.get("paired_added_ms_per_save")
+        added = row["added_ms_per_save"] if paired is None else paired
+        ratio = added / max(row["host_copy_ms"], 1e-9)
+        how = (
+            "against other processes' fits without saving"
+            if paired is None
+            else "against fits without saving in the same process, alternating"
+        )
         targets.append(
             {
                 "target": f"{name}: time a save adds to the training thread "
-                "(steps, batch end to batch end, against no save) <= 1.2x "
+                f"(batch to batch, every hook inside, {how}) <= 1.2x "
                 "the device->host copy of the state",
                 "value": ratio,
                 "limit": 1.2,
@@ -237,14 +260,14 @@ def markdown(payload: dict) -> str:
         "only ms/step | x no-save | host CPU "
         "ms/step | blocked ms/save (median) | training thread CPU ms/save | "
         "of which waiting for the previous save | device->host ms | "
-        "end wait ms | extra RSS MB | added ms/save |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "end wait ms | extra RSS MB | added ms/save | added ms/save, paired |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
         if "error" in r:
             out.append(
                 f"| {r['size']} | {r['layout']} | {r['config']} | failed: "
-                f"{r['error'][:80]} | | | | | | | | | | |"
+                f"{r['error'][:80]} | | | | | | | | | | | |"
             )
             continue
         out.append(
@@ -256,7 +279,8 @@ def markdown(payload: dict) -> str:
             f"{r['blocked_ms']:.1f} | {fmt(r['blocked_cpu_ms'], 1)} | "
             f"{r['waited_ms']:.1f} | {r['host_copy_ms']:.1f} | "
             f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} | "
-            f"{fmt(r.get('added_ms_per_save'), 1)} |"
+            f"{fmt(r.get('added_ms_per_save'), 1)} | "
+            f"{fmt(r.get('paired_added_ms_per_save'), 1)} |"
         )
     several = [r for r in payload["rows"] if "error" not in r and r.get("ranks")]
     if several:
@@ -322,7 +346,7 @@ def main():
             with tempfile.TemporaryDirectory(prefix="kd-ckpt-bench-") as d:
                 row = run_worker(
                     HERE / "_checkpointing_worker.py",
-                    [config, size, layout, args.steps, args.every, d],
+                    [config, size, layout, args.steps, args.every, d, args.pairs],
                     timeout=args.timeout,
                     platform_name=args.platform,
                     ident={"config": config, "size": size, "layout": layout},

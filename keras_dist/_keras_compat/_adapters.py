@@ -70,7 +70,7 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
             strategy.num_replicas_in_sync,
             in_order=block_rows is not None,
             splittable=_splittable(adapter, strategy),
-            shared_memory=all(d.platform == "cpu" for d in strategy.devices),
+            devices=strategy.devices,
         )
         if layout is None:
             return None

@@ -148,7 +148,10 @@ class InputOptions:
             may hold: the whole dataset for a copy, 1/replicas of it split.
             CPU devices share the host's memory, which then holds every
             device's part: a copy on each counts replicas times the dataset.
-            Defaults to 256 MiB.
+            `None` (default): a quarter of the free memory of the device
+            with the least, as the backend reports it when the data is laid
+            out (`memory_stats()` on GPU and TPU); 256 MiB where it reports
+            none (CPU).
         fuse_steps: with `steps_per_execution=N > 1` in `compile`, run each
             group of N batches of the same shapes as one compiled program
             (a `lax.scan` of the step): one dispatch per N steps instead of
@@ -161,16 +164,17 @@ class InputOptions:
     experimental_fetch_to_device: bool = True
     experimental_per_replica_buffer_size: int = 1
     device_resident: bool | None = None
-    device_resident_budget: int = 256 * 2**20
+    device_resident_budget: int | None = None
     fuse_steps: bool = True
 
     def __post_init__(self) -> None:
-        check_int(
-            self.device_resident_budget,
-            name="device_resident_budget",
-            minimum=0,
-            meaning=" (bytes per device)",
-        )
+        if self.device_resident_budget is not None:
+            check_int(
+                self.device_resident_budget,
+                name="device_resident_budget",
+                minimum=0,
+                meaning=" (bytes per device) or None (from the devices' free memory)",
+            )
         if self.device_resident not in (None, True, False):
             raise ValueError(
                 "`device_resident` must be True, False or None (automatic). "

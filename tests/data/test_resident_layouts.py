@@ -17,7 +17,9 @@ from keras_dist._keras_compat import _adapters
 from keras_dist.data.resident._resident import ResidentPass
 from keras_dist.data.resident._resident_data import (
     BLOCKS,
+    DEFAULT_BUDGET,
     ROWS,
+    budget,
     lay_out_resident,
     resident_layout,
 )
@@ -280,17 +282,29 @@ def test_the_budget_decides_by_what_a_devices_memory_holds():
     assert _fit_layouts(kd.InputOptions(device_resident=False), X) == []
 
 
+class _Accelerator:
+    """A GPU as the budget sees one (none here): its platform and the
+    memory statistics JAX reports for it."""
+
+    platform = "gpu"
+
+    def __init__(self, limit=None, in_use=0):
+        self._stats = (
+            None if limit is None else {"bytes_limit": limit, "bytes_in_use": in_use}
+        )
+
+    def memory_stats(self):
+        return self._stats
+
+
 @pytest.mark.parametrize("shared_memory", [False, True])  # GPUs/TPUs; CPU.
 def test_the_budget_counts_each_memory(shared_memory):
+    devices = tuple(jax.devices()) if shared_memory else (_Accelerator(),) * 8
+
     def layout(budget, *, in_order=False, forced=None):
         options = kd.InputOptions(device_resident=forced, device_resident_budget=budget)
         return resident_layout(
-            options,
-            1000,
-            8,
-            in_order=in_order,
-            splittable=True,
-            shared_memory=shared_memory,
+            options, 1000, 8, in_order=in_order, splittable=True, devices=devices
         )
 
     copy = 8000 if shared_memory else 1000  # A copy on each device.
@@ -301,6 +315,39 @@ def test_the_budget_counts_each_memory(shared_memory):
     assert layout(copy - 1, forced=True) == "rows"
     assert layout(0, in_order=True, forced=True) == "blocks"
     assert layout(10**9, forced=False) is None
+
+
+def test_the_default_budget_is_a_quarter_of_the_least_free_device_memory():
+    automatic = kd.InputOptions()
+    assert automatic.device_resident_budget is None
+    gib = 2**30
+    # An H200's 139 GiB, 19 GiB in use on one device: a quarter of 120 GiB.
+    devices = (_Accelerator(139 * gib, 2 * gib), _Accelerator(139 * gib, 19 * gib))
+    assert budget(automatic, devices) == 30 * gib
+    # A device that reports no statistics (CPU's): the fixed default.
+    assert budget(automatic, tuple(jax.devices())) == DEFAULT_BUDGET == 256 * 2**20
+    assert budget(automatic, (*devices, _Accelerator())) == DEFAULT_BUDGET
+    assert budget(kd.InputOptions(device_resident_budget=5), devices) == 5
+    # 4 GB on 8 such GPUs is copied to each; on 8 GPUs of 16 GiB, nearly
+    # full, it takes the host path.
+    assert (
+        resident_layout(
+            automatic,
+            4 * 10**9,
+            8,
+            in_order=False,
+            splittable=True,
+            devices=devices * 4,
+        )
+        == "copy"
+    )
+    small = (_Accelerator(16 * gib, 12 * gib),) * 8
+    assert (
+        resident_layout(
+            automatic, 4 * 10**9, 8, in_order=False, splittable=True, devices=small
+        )
+        is None
+    )
 
 
 def test_float64_counts_as_floatx():

@@ -31,13 +31,33 @@ from keras_dist.data._target import InputTarget
 __all__ = [
     "BLOCKS",
     "COPY",
+    "DEFAULT_BUDGET",
     "ROWS",
     "ResidentData",
+    "budget",
     "lay_out_resident",
     "resident_layout",
 ]
 
 BLOCKS, COPY, ROWS = "blocks", "copy", "rows"
+# The budget where the devices report no free memory (CPU devices).
+DEFAULT_BUDGET = 256 * 2**20
+
+
+def budget(options: InputOptions, devices) -> int:
+    """The bytes of a dataset one device may hold: `options`'s, or (None) a
+    quarter of the free memory of the device with the least, as the
+    backend reports it (`memory_stats()`); `DEFAULT_BUDGET` where a device
+    reports none."""
+    if options.device_resident_budget is not None:
+        return options.device_resident_budget
+    free = []
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            return DEFAULT_BUDGET
+        free.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return max(min(free), 0) // 4 if free else DEFAULT_BUDGET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,7 @@ def resident_layout(
     *,
     in_order: bool,
     splittable: bool,
-    shared_memory: bool = False,
+    devices: tuple = (),
 ) -> str | None:
     """How a dataset of `total_bytes` is laid out on the devices, or None.
 
@@ -83,9 +103,10 @@ def resident_layout(
         splittable: `fit` shuffles it whole each pass (`shuffle=True`), in
             batches of a multiple of `replicas` rows (then `ROWS` when
             `device_resident=True` and a copy is over the budget).
-        shared_memory: the devices share one memory (CPU devices: the
-            host's RAM), which then holds every device's part: a copy
-            costs `replicas` times the dataset, blocks the dataset.
+        devices: the devices the data goes to (their free memory sets a
+            budget of None). CPU devices share one memory (the host's RAM),
+            which then holds every device's part: a copy costs `replicas`
+            times the dataset, blocks the dataset.
 
     Returns:
         `BLOCKS`, `COPY` or `ROWS`; None: not on the devices (the host
@@ -96,15 +117,15 @@ def resident_layout(
     if options.device_resident is False:
         return None
     forced = options.device_resident is True
-    budget = options.device_resident_budget
+    limit = budget(options, devices)
     replicas = max(replicas, 1)
-    if shared_memory:
+    if devices and all(d.platform == "cpu" for d in devices):
         share, copy = total_bytes, total_bytes * replicas
     else:
         share, copy = -(-total_bytes // replicas), total_bytes
     if in_order:
-        return BLOCKS if forced or share <= budget else None
-    if copy <= budget:
+        return BLOCKS if forced or share <= limit else None
+    if copy <= limit:
         return COPY
     if not forced:
         # Measured on CPU devices, the host path beat the split layout for
