@@ -115,12 +115,6 @@ class OrbaxStore:
         )
         saving = context.array.saving
         saving.use_compression = False
-        # Each array in a zarr (v2) directory of its own, not OCDBT's
-        # database with zarr v3: 96 MB (FSDP, 8 CPU devices) costs 170 ms of
-        # CPU a save instead of 484 ms, taken from the training on the same
-        # cores. Orbax reads either layout, Keras's OrbaxCheckpoint too.
-        saving.use_ocdbt = False
-        saving.use_zarr3 = False
         saving.use_replica_parallel = jax.process_count() > 1
         self.directory = directory
         self.async_save = async_save
