@@ -134,7 +134,8 @@ class OrbaxStore:
         # With several processes Orbax asks JAX's preemption service at each
         # save, also from its commit thread with the step it saved: the
         # processes could agree on a step the training thread has passed
-        # (`_orbax_private.py`). (One process has no preemption service.)
+        # (`_orbax_private.py`). One process has none to disagree with (and
+        # keras_dist's SIGTERM handler, not the service, sees its preemption).
         if jax.process_count() > 1:
             without_preemption_queries(self._checkpointer)
         self.what = what
