@@ -29,6 +29,8 @@ between processes in it (`paired_nosave_ms`, `paired_save_ms`).
 
 import os
 import resource
+import shutil
+import statistics
 import sys
 import threading
 import time
@@ -307,9 +309,6 @@ def _pairs(model, x, y) -> dict:
     """`PAIRS` pairs of timed `fit`s, without and with saving (see above)."""
     if PAIRS <= 0 or CONFIG == "nosave":
         return {}
-    import shutil
-    import statistics
-
     times: dict = {"nosave": [], "save": []}
     saves = []
     for i in range(PAIRS):
