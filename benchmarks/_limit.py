@@ -11,10 +11,16 @@ constrained to E's layout. At most 8 programs are in flight, as keras_dist
 keeps them on CPU devices (unbounded, XLA:CPU aborted most runs:
 `keras_dist/strategies/devices/_placement.py`); EKU and EK32U are EK and EK32 with
 no such bound (the loop as JAX's tutorials write it: what the pacing costs,
-and whether these runs abort).
+and whether these runs abort). EKH and EKH32 are EK and EK32 on the host
+path: each dispatch's batches (one, or 32 stacked) copied from NumPy by one
+`jax.device_put` on a thread, one dispatch ahead of the step (the double
+buffering flax's examples write) — the limit for `fit` on input that is not
+device-resident.
 """
 
+import queue
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -77,14 +83,28 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
     else:
         shape, spec = (groups, per_dispatch, batch), PartitionSpec(None, None, "batch")
     laid_out = NamedSharding(mesh, spec)
-    xs = jax.device_put(x[: np.prod(shape)].reshape(*shape, *x.shape[1:]), laid_out)
-    ys = jax.device_put(y[: np.prod(shape)].reshape(shape), laid_out)
-    batches = [(xs[i], ys[i]) for i in range(groups)]
-    jax.block_until_ready(batches)
+    host_x = x[: np.prod(shape)].reshape(*shape, *x.shape[1:])
+    host_y = y[: np.prod(shape)].reshape(shape)
+    if "H" in config:  # The host path: each dispatch's batches copied in the epoch.
+        per_dispatch_layout = NamedSharding(mesh, PartitionSpec(*spec[1:]))
+
+        def batches_of_epoch():
+            return double_buffered(
+                lambda i: jax.device_put((host_x[i], host_y[i]), per_dispatch_layout),
+                groups,
+            )
+
+    else:
+        xs, ys = jax.device_put(host_x, laid_out), jax.device_put(host_y, laid_out)
+        on_device = [(xs[i], ys[i]) for i in range(groups)]
+        jax.block_until_ready(on_device)
+
+        def batches_of_epoch():
+            return iter(on_device)
 
     def epoch(state):
         in_flight = []  # At most 8 programs in flight (XLA:CPU).
-        for xb, yb in batches:
+        for xb, yb in batches_of_epoch():
             loss, state = program(state, xb, yb)
             if paced:
                 in_flight.append(loss)
@@ -93,6 +113,18 @@ def limit_epoch(keras, model, x, y, devices, *, config: str, steps: int, batch: 
         return jax.block_until_ready((loss, state))
 
     return epoch, state
+
+
+def double_buffered(copy, count: int):
+    """`copy(0) ... copy(count - 1)`, each made on a thread one item ahead."""
+    ready: queue.Queue = queue.Queue(maxsize=1)
+    thread = threading.Thread(
+        target=lambda: [ready.put(copy(i)) for i in range(count)], daemon=True
+    )
+    thread.start()
+    for _ in range(count):
+        yield ready.get(timeout=600)
+    thread.join(timeout=60)
 
 
 def adam(keras, variables: list, *, keras_adam: bool):

@@ -11,6 +11,10 @@ NAMES = {
     "B32": "keras_dist fit, steps_per_execution=32",
     "BU": "keras_dist fit, pacing off (what the pacer costs)",
     "B32U": "keras_dist fit, steps_per_execution=32, pacing off",
+    "BH": "keras_dist fit, host path (batches copied during the epoch)",
+    "BH32": "keras_dist fit, host path, steps_per_execution=32",
+    "BN": "keras_dist fit of a step that does no work (Keras's loop's floor)",
+    "BN32": "keras_dist fit of a step that does no work, steps_per_execution=32",
     "BS": "keras_dist fit, shuffle=True (rows gathered, not sliced)",
     "BR": "keras_dist fit, shuffle=True, split by rows (budget under a copy)",
     "C": "Keras DataParallel, fit in the scope (as documented)",
@@ -23,6 +27,8 @@ NAMES = {
     "EK32": "hand-written, 32 steps per dispatch, Keras's Adam",
     "EKU": "EK with no bound on the programs in flight",
     "EK32U": "EK32 with no bound on the programs in flight",
+    "EKH": "hand-written, Keras's Adam, host path (copy one step ahead)",
+    "EKH32": "hand-written, 32 steps per dispatch, host path (one copy each)",
     "F": "keras_dist custom loop (strategy.run)",
 }
 
@@ -45,12 +51,6 @@ def _header(payload: dict) -> list:
         "and the dispatches, not XLA's threads nor an input thread), median "
         "over the runs.",
     ]
-    if payload.get("input") == "host":
-        out.append(
-            "keras_dist fit (A, B, B32, BS) with `--input host`: "
-            "`InputOptions(device_resident=False)`, each batch laid out from "
-            "the host."
-        )
     crashed = [
         f"{r['model']} {r['config']} x{r['crashed_runs']}"
         for r in payload["rows"] + payload["scaling_rows"]
@@ -91,7 +91,7 @@ def _gist(error: str) -> str:
 def _rows(payload: dict) -> list:
     out = [
         "| model | config | ms/step (median) | min-max | steps/s | examples/s "
-        "| host CPU ms/step | peak RSS MB |",
+        "| host CPU µs/step | peak RSS MB |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
@@ -102,10 +102,14 @@ def _rows(payload: dict) -> list:
         out.append(
             f"| {r['model']} | {name} | {r['ms_median']:.2f} | "
             f"{r['ms_min']:.2f}-{r['ms_max']:.2f} | {r['steps_per_s']:.1f} | "
-            f"{r['examples_per_s']:.0f} | {fmt(r.get('host_cpu_ms'))} | "
+            f"{r['examples_per_s']:.0f} | {fmt(_us(r.get('host_cpu_ms')), 1)} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
     return out
+
+
+def _us(ms):
+    return None if ms is None else ms * 1e3
 
 
 def markdown(payload: dict) -> str:

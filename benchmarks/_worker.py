@@ -9,6 +9,14 @@ CONFIG is one of
     BU   B with keras_dist's pacing off (`strategy.pacer.enabled = False`):
          what the pacer costs (XLA:CPU may abort such a run)
     B32U B32 with keras_dist's pacing off
+    BH   B on the host path (`InputOptions(device_resident=False)`): each
+         batch copied from NumPy during the epoch, as for data beyond the
+         device-resident budget, tf.data, Grain or a PyDataset
+    BH32 BH with steps_per_execution=32
+    BN   B whose `train_step` does no work (returns the state as it got
+         it): the floor of Keras's own per-step loop (callbacks, logs, the
+         iterator) under keras_dist
+    BN32 BN with steps_per_execution=32
     BR   BS with a budget no copy fits (`InputOptions(device_resident=True,
          device_resident_budget=0)`): the data is split over the devices
          by rows, and each epoch lays its batches out once from them (one
@@ -39,6 +47,10 @@ CONFIG is one of
     EKU  EK with no bound on the programs in flight (the loop as JAX's
          tutorials write it; XLA:CPU may abort it)
     EK32U EK32 with no bound on the programs in flight
+    EKH  EK on the host path: each batch copied from NumPy by `device_put`
+         on a thread, one step ahead (double-buffered): the limit of BH
+    EKH32 EK32 on the host path: the 32 batches of a dispatch stacked and
+         copied as one, one dispatch ahead: the limit of BH32
     F    keras_dist custom training loop (strategy.run) on the same mesh
 
 Every configuration trains MODEL on the same synthetic data at the same global
@@ -60,7 +72,6 @@ from _runs import force_host_devices, print_result
 CONFIG, MODEL = sys.argv[1], sys.argv[2]
 DEVICES, STEPS, EPOCHS, BATCH = (int(v) for v in sys.argv[3:7])
 PLATFORM = force_host_devices(8)
-INPUT_ENV = "KD_BENCH_INPUT"  # "host": keras_dist fit without device-resident input
 os.environ["KERAS_BACKEND"] = "tensorflow" if CONFIG == "D" else "jax"
 
 import numpy as np  # noqa: E402
@@ -72,6 +83,8 @@ LIMIT_CONFIGS = (
     "EK32",
     "EKU",
     "EK32U",
+    "EKH",
+    "EKH32",
 )  # The hand-written limit: `_limit.py`.
 SHAPES = {"tiny": (28, 28, 1), "cnn": (28, 28, 1), "resnet": (32, 32, 3)}
 
@@ -96,6 +109,13 @@ def make_model(keras, name):
             y = layers.Conv2D(filters, 3, padding="same")(y)
             x = layers.Activation("relu")(layers.Add()([shortcut, y]))
         outputs = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
+    if CONFIG.startswith("BN"):  # The floor of Keras's loop: a step doing nothing.
+
+        class Idle(keras.Model):
+            def train_step(self, state, data):
+                return {}, state
+
+        return Idle(inputs, outputs)
     return keras.Model(inputs, outputs)
 
 
@@ -146,7 +166,8 @@ def fit_and_time(keras, model, x, y, extra_callbacks=(), shuffle=False):
         verbose=0,
         callbacks=[timer, *extra_callbacks],
     )
-    return timer.seconds, float(history.history["loss"][-1])
+    losses = history.history.get("loss", [float("nan")])  # BN: no loss.
+    return timer.seconds, float(losses[-1])
 
 
 def compile_model(keras, model, steps_per_execution=1):
@@ -183,7 +204,7 @@ def run_keras_fit():
     devices = mesh_devices()
     if CONFIG == "A":
         strategy = kd.OneDeviceStrategy(devices[0])
-    elif CONFIG in ("B", "B32", "BU", "B32U", "BS", "BR"):
+    elif CONFIG.startswith("B"):
         strategy = kd.MirroredStrategy(list(devices))
         if CONFIG.endswith("U"):  # No pacing: what it costs.
             strategy.pacer.enabled = False
@@ -193,7 +214,7 @@ def run_keras_fit():
         strategy.input_options = kd.InputOptions(
             device_resident=True, device_resident_budget=2**40 if CONFIG == "BS" else 0
         )
-    if CONFIG in ("A", "B", "B32", "BS") and os.environ.get(INPUT_ENV) == "host":
+    if CONFIG.startswith("BH"):  # The host path.
         strategy.input_options = kd.InputOptions(device_resident=False)
     report, extra = None, ()
     if CONFIG not in ("C", "C0"):
@@ -298,6 +319,7 @@ def run_jax_loop():
 
 def main():
     keras_fits = ("A", "B", "B32", "BU", "B32U", "BS", "BR", "C", "C0")
+    keras_fits += ("BH", "BH32", "BN", "BN32")
     runner = dict.fromkeys(keras_fits, run_keras_fit)
     runner.update(dict.fromkeys((*LIMIT_CONFIGS, "F"), run_jax_loop))
     runner.update(D=run_tf_fit)

@@ -3,18 +3,21 @@
 A group of batches of one structure runs as one compiled program
 (`training/_fused_steps.py`): the leaves every batch shares (the same
 object: the dataset of device-resident input) go in once, the others are
-stacked along a new leading axis of length N. An input that can lay a whole
-group out at once (`_resident.ResidentPass.next_group`) hands over leaves
-already stacked on the devices — one transfer for N steps; batches read one
-by one are stacked inside the program.
+stacked along a new leading axis of length N. An input that lays a whole
+group out at once hands over leaves already stacked on the devices — one
+transfer for N steps: a device-resident pass its indices
+(`_resident.ResidentPass.next_group`), the host pipeline its N host batches
+stacked on its thread (`host/_pipeline.InputPass.next_group`). Batches read
+one by one (`read_group`) are stacked inside the program.
 """
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 
-__all__ = ["BatchGroup", "group_of"]
+__all__ = ["BatchGroup", "group_of", "read_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,25 @@ class BatchGroup:
         devices.
         """
         return [self.batch([v[i] for v in self.varying]) for i in range(count)]
+
+
+def read_group(iterator: Iterator, count: int) -> "BatchGroup | list":
+    """The next `count` batches of `iterator`, read one by one as Keras's loop.
+
+    As in Keras: the first batch must exist (`StopIteration` ends the
+    epoch), the others may be missing. A list when they cannot be fused.
+    """
+    batches = [next(iterator)]
+    for _ in range(count - 1):
+        batch = next(iterator, _END)
+        if batch is _END:
+            break
+        batches.append(batch)
+    group = group_of(batches) if len(batches) == count else None
+    return batches if group is None else group
+
+
+_END = object()
 
 
 def group_of(batches: list) -> BatchGroup | None:

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from keras_dist.data._batch_group import BatchGroup, group_of
+from keras_dist.data._batch_group import BatchGroup, read_group
 
 __all__ = ["FusedSteps", "batch_by_batch", "has_primitive", "loops_slowly"]
 
@@ -84,6 +84,9 @@ class FusedSteps:
         if self._loops_slowly is None:
             self._loops_slowly = loops_slowly(self._fused(group), state, group)
             if self._loops_slowly:
+                read_singly = getattr(iterator, "read_singly", None)
+                if read_singly is not None:  # Lays out no more groups.
+                    read_singly()
                 return self._keras_loop(state, iter(group.batches(self._steps)))
         key = (group.treedef, group.is_shared)
         program = self._programs.get(key)
@@ -156,25 +159,9 @@ def has_primitive(jaxpr: Any, name: str) -> bool:
 
 
 def _next_group(iterator: Iterator, count: int) -> BatchGroup | list:
-    """The next `count` batches, as Keras's loop reads them.
-
-    As in Keras: the first batch must exist (`StopIteration` ends the
-    epoch), the others may be missing. A list when they cannot be fused.
-    """
-    read_group = getattr(iterator, "next_group", None)
-    if read_group is not None:  # The input lays out a whole group at once.
-        return read_group(count)
-    batches = [next(iterator)]
-    for _ in range(count - 1):
-        batch = next(iterator, _END)
-        if batch is _END:
-            break
-        batches.append(batch)
-    group = group_of(batches) if len(batches) == count else None
-    return batches if group is None else group
-
-
-_END = object()
+    """The next `count` batches: laid out at once where the input can."""
+    read = getattr(iterator, "next_group", None)
+    return read(count) if read is not None else read_group(iterator, count)
 
 
 def _join_steps(outputs):

@@ -347,6 +347,75 @@ def test_a_convolution_on_cpu_devices_runs_through_keras_loop(dispatches):
     _assert_same(_keras("numpy", "37_rows_spe_4", conv=True), got, "plain Keras")
 
 
+def _counting_transfers(monkeypatch, strategy) -> collections.Counter:
+    """Counts the strategy's layouts of one batch and of a group of batches."""
+    counts: collections.Counter = collections.Counter()
+    placement = strategy.placement
+    for name in ("lay_out", "lay_out_steps"):
+        real = getattr(placement, name)
+
+        def counting(*args, _real=real, _name=name, **kwargs):
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(placement, name, counting)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("kind", "rows", "conv", "expected"),
+    [
+        # 16 full batches: 4 groups of 4, each one transfer.
+        ("numpy_host", 128, False, {"lay_out_steps": 4}),
+        # 4 full batches in one transfer; the partial batch alone.
+        ("numpy_host", 37, False, {"lay_out_steps": 1, "lay_out": 1}),
+        ("tf_data", 37, False, {"lay_out_steps": 1, "lay_out": 1}),
+        ("py_dataset", 128, False, {"lay_out_steps": 4}),
+        # A generator's steps are read on demand: the same groups, no thread.
+        ("generator", 128, False, {"lay_out_steps": 4}),
+        # Not fused (a convolution on CPU): the first group was read as one,
+        # then batch by batch, but for the groups the thread read ahead (1
+        # or 2, as the threads run): checked below.
+        ("numpy_host", 128, True, None),
+    ],
+)
+def test_the_host_path_lays_a_group_out_in_one_transfer(
+    monkeypatch, dispatches, kind, rows, conv, expected
+):
+    """The N batches of a fused group go to the devices stacked, at once.
+
+    With `steps_per_execution=N` the input thread stacks N host batches and
+    lays them out in one transfer (`InputPass.next_group`); the numbers are
+    those of Keras's loop fed batch by batch (`fuse_steps=False`).
+    """
+    case = Case(rows, 8, 4)
+    results, transfers = [], []
+    for fuse in (True, False):
+        strategy = _strategy("mirrored", fuse=fuse, host=True)
+        counts = _counting_transfers(monkeypatch, strategy)
+        net = _model(strategy, case.steps, conv=conv)
+        keras.utils.set_random_seed(3)
+        fit = _input(kind, case, "fit")
+        if kind == "generator":
+            fit["steps_per_epoch"] = math.ceil(rows / 8)
+        shuffle = kind.startswith("numpy")
+        history = net.fit(**fit, epochs=1, shuffle=shuffle, verbose=0).history
+        results.append((history, net.get_weights()))
+        transfers.append(dict(counts))
+    # Keras's build reads one more batch, from a pass of its own, before `fit`.
+    assert transfers[1] == {"lay_out": math.ceil(rows / 8) + 1}
+    if expected is None:
+        groups = transfers[0]["lay_out_steps"]
+        assert groups in (2, 3)
+        assert transfers[0] == {"lay_out_steps": groups, "lay_out": 17 - 4 * groups}
+    else:
+        expected = expected | {"lay_out": expected.get("lay_out", 0) + 1}
+        assert transfers[0] == expected
+    (fused_history, fused_weights), (loop_history, loop_weights) = results
+    assert_history_close(loop_history, fused_history, rtol=RTOL, atol=ATOL)
+    assert_weights_close(loop_weights, fused_weights, rtol=RTOL, atol=ATOL)
+
+
 def test_the_step_decides_fusion_from_its_jaxpr():
     def conv_step(x, kernel):  # A convolution and its gradient.
         return jax.grad(lambda k: jnp.sum(jax.lax.conv(x, k, (1,), "SAME")))(kernel)

@@ -13,8 +13,12 @@ and `distribute_datasets_from_function`. One pass (`InputPass`):
 3. **pad** a batch that does not split over the replicas with zero rows to a
    multiple of them, keeping the count of real rows (`_partial_batch`);
 4. **lay out** this process's rows over the mesh (the strategy's placement,
-   `InputTarget.lay_out`): the last thing a batch's production does;
-5. **prefetch** one step ahead on a background thread (`Prefetcher`) —
+   `InputTarget.lay_out`): the last thing a batch's production does. A
+   compiled `steps_per_execution=N` loop reads whole groups
+   (`InputPass.next_group`): N full batches of one form are stacked on the
+   host and laid out in one transfer (`InputTarget.lay_out_steps`), one
+   program's input;
+5. **prefetch** one step (or group) ahead on a background thread (`Prefetcher`) —
    only for sources that Keras (or the user) can restart: read-ahead never
    takes a batch from a one-shot generator that nobody could give back, nor
    reads a `PyDataset` that Keras keeps across epochs between its `on_epoch_end` and
@@ -27,6 +31,9 @@ code the arrays themselves are marked, so `strategy.run`, `gather`, `reduce`
 and `compute_average_loss` leave the padding out.
 """
 
+import collections
+import dataclasses
+import itertools
 import queue
 import threading
 import time
@@ -39,6 +46,7 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _call
+from keras_dist.data._batch_group import BatchGroup, read_group
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
@@ -55,7 +63,7 @@ from keras_dist.data.host._multi_process import (
 )
 from keras_dist.data.host._sparse import is_leaf, is_sparse
 
-__all__ = ["InputPass", "Prefetcher", "element", "keras_batch"]
+__all__ = ["InputPass", "Prefetcher", "Several", "element", "keras_batch"]
 
 
 def _padded(strategy: InputTarget, data: Any) -> tuple[Any, int | None, Any]:
@@ -109,7 +117,11 @@ class _Reader:
         self.source = source
         self.call = call
         self.sparse = False  # Whether the first batch holds a sparse matrix.
-        self.host = self._checked(iter(batches), per_process, channel)
+        # Batches an item holds: N while a `steps_per_execution=N` step
+        # loop reads whole groups (`InputPass.next_group`), else 1. Read by
+        # the producing thread at each item.
+        self.group_size = 1
+        self.host: Iterator[tuple] = self._checked(iter(batches), per_process, channel)
 
     def _checked(self, batches: Iterator[Any], per_process: bool, channel: str):
         """Yields `(host rows, global rows or None, real rows)` per step."""
@@ -148,26 +160,91 @@ class _Reader:
                 "`drop_remainder=True`)."
             )
 
-    def produced(self, keras: bool) -> Iterator[tuple[Any, float, bool]]:
-        """Yields `(batch laid out, seconds producing it, first of the pass?)`.
+    def peek_sparse(self) -> bool:
+        """Reads the first host batch here (it stays first) and says whether
+        it holds a sparse matrix (then every batch is read on the consumer's
+        thread: `InputPass._next`)."""
+        item = next(self.host, None)
+        if item is not None:
+            self.host = itertools.chain([item], self.host)
+            self.sparse = _holds_sparse(item[0])
+        return self.sparse
 
-        The consumer records the seconds (`InputStats`): on its own thread,
-        after the batch left this one.
+    def produced(self, keras: bool) -> Iterator[tuple[Any, float, bool, int]]:
+        """Yields `(item, seconds producing it, first of the pass?, batches)`.
+
+        An item is one batch laid out, or, while `group_size` is N > 1, the
+        next N batches (`Several`): stacked and laid out in one transfer
+        when they can run as one program (`_stacked`), else one by one. The
+        consumer records the seconds (`InputStats`): on its own thread,
+        after the item left this one.
         """
         first = True
         while True:
             start = time.perf_counter()
-            item = next(self.host, None)
-            if item is None:
+            count = self.group_size
+            items = list(itertools.islice(self.host, count))
+            if not items:
                 return
             if first:
-                self.sparse = _holds_sparse(item[0])
-            data, rows, num_real = item
-            if rows is None:
-                data, rows, num_real = _padded(self.strategy, data)
-            batch = _laid_out(self.strategy, data, rows, num_real, keras)
-            yield batch, time.perf_counter() - start, first
+                self.sparse = _holds_sparse(items[0][0])
+            if count == 1:
+                item: Any = self._laid_out(items[0], keras)
+            else:
+                group = _stacked(self.strategy, items, count) if keras else None
+                item = Several(group or [self._laid_out(one, keras) for one in items])
+            yield item, time.perf_counter() - start, first, len(items)
             first = False
+
+    def _laid_out(self, item: tuple, keras: bool) -> Any:
+        data, rows, num_real = item
+        if rows is None:
+            data, rows, num_real = _padded(self.strategy, data)
+        return _laid_out(self.strategy, data, rows, num_real, keras)
+
+
+@dataclasses.dataclass(frozen=True)
+class Several:
+    """The batches of one `steps_per_execution` group: a `BatchGroup` stacked
+    on the devices, or a list laid out one by one."""
+
+    batches: BatchGroup | list
+
+
+def _stacked(strategy: InputTarget, items: list, count: int) -> BatchGroup | None:
+    """`count` host batches as one group laid out in one transfer, or None.
+
+    They are when, on one process, they are `count` dense NumPy batches of
+    one structure, shapes and dtypes, that split over the replicas unpadded:
+    each leaf is stacked along a new leading axis and laid out at once
+    (`lay_out_steps`), as a step would lay out each batch.
+    """
+    if len(items) < count or strategy.num_processes > 1:
+        return None
+    flat = [jax.tree.flatten(data) for data, _, _ in items]
+    treedef: jax.tree_util.PyTreeDef = flat[0][1]
+    if any(other != treedef for _, other in flat[1:]):
+        return None
+    columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
+    if not columns:
+        return None
+    replicas = strategy.num_local_replicas
+    for column in columns:
+        first = column[0]
+        if (
+            type(first) is not np.ndarray
+            or not first.ndim
+            or first.shape[0] % replicas
+            or any(
+                type(leaf) is not np.ndarray
+                or leaf.shape != first.shape
+                or leaf.dtype != first.dtype
+                for leaf in column
+            )
+        ):
+            return None
+    stacked = strategy.lay_out_steps([np.stack(column) for column in columns])
+    return BatchGroup(treedef, (False,) * len(columns), (), tuple(stacked))
 
 
 def _holds_sparse(batch: Any) -> bool:
@@ -221,6 +298,9 @@ class InputPass:
         self._stats = call.input_stats if call is not None else None
         self._prefetcher = None
         self._read_first = False
+        self._keras = keras
+        # Batches of a group read by `next()` (Keras's loop over the group).
+        self._pending: collections.deque = collections.deque()
         if prefetch:
             # Lazy: a resume skips batches (on this thread) before the first step.
             self._prefetcher = Prefetcher(self._out, prefetch, lazy=True)
@@ -243,12 +323,50 @@ class InputPass:
         return self
 
     def __next__(self) -> Any:
+        if self._pending:
+            return self._pending.popleft()
+        item = self._item()
+        if not isinstance(item, Several):
+            return item
+        # Read as groups, taken batch by batch (Keras's loop over a group
+        # that `FusedSteps` does not fuse).
+        batches = item.batches
+        if isinstance(batches, BatchGroup):
+            batches = batches.batches(len(batches.varying[0]))
+        self._pending.extend(batches[1:])
+        return batches[0]
+
+    def next_group(self, count: int) -> BatchGroup | list:
+        """The next `count` batches, for one program (`steps_per_execution`).
+
+        From the pass's first group on, the producing thread reads groups:
+        `count` full batches of one form go to the devices stacked, in one
+        transfer (a `BatchGroup`); fewer at the pass's end, or batches that
+        differ (a padded partial batch), come as a list, each laid out. As
+        Keras's loop: `StopIteration` when not even one batch is left.
+        """
+        if not self._read_first and self._keras:
+            self._reader.group_size = count
+        if self._pending or self._reader.group_size != count:
+            return read_group(self, count)
+        item = self._item()
+        if isinstance(item, Several):
+            return item.batches
+        self._pending.append(item)  # Read before the groups began.
+        return read_group(self, count)
+
+    def read_singly(self) -> None:
+        """Reads batch by batch from now on (a step loop that does not fuse)."""
+        self._reader.group_size = 1
+
+    def _item(self) -> Any:
+        """The next item produced: a batch, or `Several`; its timings recorded."""
         start = time.perf_counter()
-        batch, seconds, first = self._next()
+        item, seconds, first, batches = self._next()
         if self._stats is not None:
-            self._stats.record(seconds, first=first)  # Producing it.
-            self._stats.record_wait(time.perf_counter() - start)  # Waiting.
-        return batch
+            self._stats.record(seconds, first=first, batches=batches)  # Producing.
+            self._stats.record_wait(time.perf_counter() - start, batches)  # Waiting.
+        return item
 
     def _next(self) -> Any:
         prefetcher = self._prefetcher
@@ -257,6 +375,8 @@ class InputPass:
         if self._read_first:
             return next(prefetcher)
         self._read_first = True
+        if self._reader.group_size > 1 and not self._reader.peek_sparse():
+            return next(prefetcher)  # Groups are read on the thread from the first.
         # The first batch is read here. Sparse batches are read on this thread
         # only: Keras slices them with JAX ops (BCOO), and such eager JAX work
         # on a second thread while a step runs was seen to abort XLA on CPU.
