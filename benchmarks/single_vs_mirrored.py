@@ -328,7 +328,7 @@ def main(argv=None) -> dict:
         (c, m, args.devices)
         for m in models
         for c in configs
-        if "32" not in c or args.steps_of[m] % 32 == 0
+        if not (c[0] == "E" and "32" in c) or args.steps_of[m] % 32 == 0
     ]
     counts = [int(v) for v in args.scaling.split(",") if v]
     jobs += [("B", scaling_model, n) for n in counts if n != args.devices]
