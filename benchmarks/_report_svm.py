@@ -18,6 +18,7 @@ NAMES = {
     "BS": "keras_dist fit, shuffle=True (rows gathered, not sliced)",
     "BR": "keras_dist fit, shuffle=True, split by rows (budget under a copy)",
     "C": "Keras DataParallel, fit in the scope (as documented)",
+    "CS": "Keras DataParallel, shuffle=True (as documented)",
     "C0": "Keras DataParallel, fit outside the scope (pitfall; keras_dist "
     "models remember their strategy)",
     "D": "tf.distribute.MirroredStrategy (TF backend)",

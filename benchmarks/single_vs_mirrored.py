@@ -16,6 +16,7 @@ Trains each model at the same global batch in each configuration
     BR   BS with the data split over the devices by rows (a budget no copy fits)
     C    keras.distribution.DataParallel, same devices, used as Keras
          documents it: built, compiled and fit inside its scope
+    CS   C with shuffle=True (Keras's default)
     C0   the pitfall: the same, but fit outside the scope
     D    tf.distribute.MirroredStrategy + Keras on the TF backend (if installed)
     E    the limit: hand-written jax.jit + optax step, data on device ahead of time
@@ -57,7 +58,20 @@ from _runs import combine_runs, machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["A", "B", "B32", "BU", "B32U", "BH", "BH32", "BN", "BN32", "BS", "BR"]
-CONFIGS += ["C", "C0", "D", "E", "E32", "EK", "EK32", "EKU", "EK32U", "EKH", "EKH32"]
+CONFIGS += [
+    "C",
+    "CS",
+    "C0",
+    "D",
+    "E",
+    "E32",
+    "EK",
+    "EK32",
+    "EKU",
+    "EK32U",
+    "EKH",
+    "EKH32",
+]
 CONFIGS += ["F"]
 BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 # Steps per epoch: tiny takes ~1-3 ms a step, so it needs more of them to be
@@ -192,7 +206,8 @@ def _ratio(rows, model, top, bottom, scale=1.0):
     return a["ms_median"] / (b["ms_median"] * scale)
 
 
-RATIOS = (("B", "A"), ("B", "C"), ("B", "C0"), ("B", "D"), ("B", "E"))
+RATIOS = (("B", "A"), ("B", "C"), ("BS", "CS"), ("B", "C0"), ("B", "D"))
+RATIOS += (("B", "E"),)
 RATIOS += (("B32", "E"), ("B32", "E32"), ("BS", "B"), ("BR", "BS"), ("F", "E"))
 # What keras_dist's fit adds to the step math Keras runs, and what Keras's
 # Adam costs against optax's (EK: the hand-written loop with Keras's Adam).
@@ -224,6 +239,13 @@ def _cpu_ratio(rows, model, top, bottoms):
 TARGETS = [
     ("keras_dist fit <= the hand-written limit", "wall", "B", ("E",), 1.0),
     ("keras_dist fit <= Keras DataParallel", "wall", "B", ("C",), 1.0),
+    (
+        "keras_dist fit <= Keras DataParallel, shuffle=True",
+        "wall",
+        "BS",
+        ("CS",),
+        1.0,
+    ),
     (
         "host CPU, steps_per_execution=32, on device <= 1.2x the loop's",
         "cpu",
