@@ -8,9 +8,10 @@ variable's layout — unless the variable is at least 250 MiB times the mesh siz
 value (a loaded checkpoint) to an array on the default device first. Under a
 keras_dist strategy, a variable the strategy splits is instead initialized by
 the initializer compiled with the variable's sharding as output (each device
-computes its part; `strategies/state/_split_values.py`) and assigned NumPy values
-go from the host straight to their parts. Replicated variables keep Keras's
-path (no compilation per variable).
+computes its part; `strategies/state/_split_values.py`). Replicated variables
+keep Keras's initialization (no compilation per variable). An assigned host
+value (NumPy, a Python number: a metric's reset) goes from the host straight
+to the variable's layout, to its parts when split, in one transfer.
 
 The numbers are Keras's: a Keras initializer's seed is drawn exactly as Keras
 draws it (`draw_seed`: an int seed or the next state of a `SeedGenerator`)
@@ -178,21 +179,46 @@ def _cache_key(initializer, shape, dtype):
 
 
 def _assign(method: Callable) -> Callable:
+    """A host value (NumPy, a Python number) goes straight to the variable's
+    layout: split, to its parts (`put_split`); whole, in one `device_put`.
+
+    Keras would convert it on the default device first, then lay it out
+    again (a metric's `reset_state` assigns 0 every epoch; `set_weights`
+    assigns NumPy).
+    """
+
     @functools.wraps(method)
     def wrapper(variable, value):
-        if (
-            isinstance(value, np.ndarray)
-            and value.shape == tuple(variable.shape)
-            and str(value.dtype) == variable._dtype
-            and strategy_of_variable(variable) is not None
-        ):
-            sharding = split_sharding(variable._layout)
-            if sharding is not None:
-                value = put_split(value, sharding)
+        host = _host_value(variable, value)
+        if host is not None and strategy_of_variable(variable) is not None:
+            split = split_sharding(variable._layout)
+            whole = getattr(variable._layout, "backend_layout", variable._layout)
+            if split is not None:
+                value = put_split(host, split)
+            # Not to host memory (CentralStorage): inside a traced branch (a
+            # `StatelessScope` update) the value would then differ in memory
+            # space from the other branch's.
+            elif isinstance(whole, jax.sharding.NamedSharding) and (
+                whole.memory_kind in (None, _DEVICE)
+            ):
+                value = jax.device_put(host, whole)
         return method(variable, value)
 
     marked(wrapper, method)
     return wrapper
+
+
+def _host_value(variable, value) -> np.ndarray | None:
+    """`value` as a NumPy array of the variable's shape and dtype, when it is
+    one already or a Python number for a scalar variable; else None (Keras
+    converts it, and says what is wrong)."""
+    if isinstance(value, np.ndarray):
+        if value.shape == tuple(variable.shape) and str(value.dtype) == variable._dtype:
+            return value
+        return None
+    if type(value) in (int, float) and not variable.shape:
+        return np.asarray(value, dtype=variable._dtype)
+    return None
 
 
 def _direct_assign(method: Callable) -> Callable:
