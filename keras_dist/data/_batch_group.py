@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["BatchGroup", "group_of", "read_group"]
+__all__ = ["BatchGroup", "group_of", "grouped", "read_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,12 @@ def read_group(iterator: Iterator, count: int) -> "BatchGroup | list":
         if batch is _END:
             break
         batches.append(batch)
+    return grouped(batches, count)
+
+
+def grouped(batches: list, count: int) -> "BatchGroup | list":
+    """`batches` as a group when they are `count` that can run as one program,
+    else the list."""
     group = group_of(batches) if len(batches) == count else None
     return batches if group is None else group
 

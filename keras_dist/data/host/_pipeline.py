@@ -46,7 +46,7 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _call
-from keras_dist.data._batch_group import BatchGroup, read_group
+from keras_dist.data._batch_group import BatchGroup, grouped, read_group
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
@@ -174,8 +174,10 @@ class _Reader:
         """Yields `(item, seconds producing it, first of the pass?, batches)`.
 
         An item is one batch laid out, or, while `group_size` is N > 1, the
-        next N batches (`Several`): stacked and laid out in one transfer
-        when they can run as one program (`_stacked`), else one by one. The
+        next N batches (`Several`): stacked on the host and laid out in one
+        transfer where they can be (`_stacked`); else laid out one by one,
+        as a `BatchGroup` still when they can run as one program (several
+        processes: each lays out its rows of every batch). The
         consumer records the seconds (`InputStats`): on its own thread,
         after the item left this one.
         """
@@ -191,8 +193,12 @@ class _Reader:
             if count == 1:
                 item: Any = self._laid_out(items[0], keras)
             else:
-                group = _stacked(self.strategy, items, count) if keras else None
-                item = Several(group or [self._laid_out(one, keras) for one in items])
+                stacked = _stacked(self.strategy, items, count) if keras else None
+                if stacked is None:  # Laid out one by one (stacked in the program).
+                    batches = [self._laid_out(one, keras) for one in items]
+                    item = Several(grouped(batches, count))
+                else:
+                    item = Several(stacked)
             yield item, time.perf_counter() - start, first, len(items)
             first = False
 
@@ -341,7 +347,8 @@ class InputPass:
 
         From the pass's first group on, the producing thread reads groups:
         `count` full batches of one form go to the devices stacked, in one
-        transfer (a `BatchGroup`); fewer at the pass's end, or batches that
+        transfer (a `BatchGroup`; with several processes, one transfer each,
+        stacked in the program); fewer at the pass's end, or batches that
         differ (a padded partial batch), come as a list, each laid out. As
         Keras's loop: `StopIteration` when not even one batch is left.
         """
