@@ -77,9 +77,12 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
         rows = _rows(adapter)
         if call is not None and call.check_batch is not None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
+        # Without a shuffle every pass reads the same batches: read once.
+        in_order = None if adapter._shuffle else list(_index_batches(adapter))
         found = (
             adapter,
             lay_out_resident(strategy, rows, layout, block_rows=block_rows),
+            in_order,
         )
         cache[id(adapter)] = found
     # Keras draws a `shuffle="batch"` order as it reads each batch.
@@ -87,7 +90,7 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
     return ResidentPass(
         strategy,
         found[1],
-        _index_batches(adapter),
+        _index_batches(adapter) if found[2] is None else iter(found[2]),
         call=call,
         read_ahead=read_ahead,
     )
