@@ -201,8 +201,9 @@ class OrbaxStore:
     def _start(self, step: int, payload: dict) -> Pending:
         if jax.process_count() == 1:
             # Orbax's asynchronous save copies the state to the host before
-            # it returns: a wait for every step dispatched (3.2-4.4 s a 96 MB
-            # save on 2 CPU cores). A snapshot on the devices instead, and
+            # it returns: a wait for every step dispatched (`python
+            # benchmarks/save_cost.py` times a save's parts). A snapshot on
+            # the devices instead, and
             # Orbax's save on the writer thread. (Several processes: Orbax's
             # save runs collectives, kept on the training thread.)
             leaves, tree = jax.tree.flatten(payload["pytree"])

@@ -156,8 +156,8 @@ def freeze(values: list, *, copy_local: bool = True) -> list:
 
 def prepare(values: list) -> None:
     """Compiles the copies `freeze(values)` dispatches, copying nothing: when
-    `fit` begins, not on the training thread at the first save (1.5 s on 8
-    CPU devices for 56 arrays, 973 MB). Values with parts on other
+    `fit` begins, not on the training thread at the first save (a
+    compilation for each layout and size). Values with parts on other
     processes are left to the save (their gathers are collectives)."""
     plain = [v.value if isinstance(v, keras.Variable) else v for v in values]
     if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in plain):

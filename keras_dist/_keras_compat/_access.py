@@ -88,8 +88,8 @@ def compile_arguments(model: Any) -> dict:
 
     The public `get_compile_config()` serializes them, and Keras's serializer
     imports TensorFlow where it is installed (to test for a `TensorShape`):
-    ~3 s at the first `fit`, which the same `fit` without keras_dist does not
-    pay.
+    a large import at the first `fit`, which the same `fit` without
+    keras_dist does not pay.
     """
     config = getattr(model, "_compile_config", None)
     return dict(getattr(config, "config", None) or {})

@@ -122,8 +122,8 @@ PRIVATE_ATTRIBUTES: tuple = (
     ),
     # _access: the epoch `fit` starts from (Keras's `BackupAndRestore` sets
     # it so), the arguments `compile` was called with (the public
-    # `get_compile_config()` serializes them, importing TensorFlow: ~3 s at
-    # the first `fit`); _loop: the nightly's build of an unbuilt model from
+    # `get_compile_config()` serializes them, importing TensorFlow at the
+    # first `fit`); _loop: the nightly's build of an unbuilt model from
     # batches.
     (
         "keras.src.trainers.trainer",
@@ -132,7 +132,7 @@ PRIVATE_ATTRIBUTES: tuple = (
     ),
     # _access: the arguments a loss made from a function passes it (Keras
     # 3.16 keeps `ignore_class` only there; `get_config()` serializes the
-    # function too, importing TensorFlow: ~3 s at the first `fit`).
+    # function too, importing TensorFlow at the first `fit`).
     ("keras.src.losses.losses", "LossFunctionWrapper", ("_fn_kwargs",)),
     # _access: the learning-rate object (the public `learning_rate` is its
     # evaluated value, and its setter untracks the variable and cannot put
@@ -297,8 +297,8 @@ def _class_source(klass: type) -> str:
     """The source of `klass`'s top-level block, read from its file.
 
     Sliced from the file's text without tokenizing it (`inspect.getsource`
-    tokenizes the whole module: 0.6 s of every `import keras_dist` for this
-    table's 22 classes).
+    tokenizes the whole module, for each of this table's classes, at every
+    `import keras_dist`).
     """
     try:
         path = inspect.getsourcefile(klass)
@@ -334,7 +334,7 @@ def _has(cls: type, attribute: str) -> bool:
 # Packages keras_dist imports only when used (TensorFlow for tf.data, Orbax
 # for checkpoints): their names are checked once they are imported
 # (`check(package)`), not at `import keras_dist` (Orbax's import alone is
-# 0.5 s).
+# slow).
 _LAZY = ("tensorflow", "orbax")
 
 

@@ -10,7 +10,7 @@ splits that walk from the writing:
   value frozen (`_checkpoint/pipeline.freeze`). With `with_config`, the
   model's config and metadata JSON and its assets too. A walk that found
   only variables is `reusable` at later steps of the same `fit` (Keras's
-  walk takes ~0.1 s and creates reference objects, Keras's serialization
+  walk takes host time and creates reference objects, Keras's serialization
   reads the learning rate on the host: a wait for every step dispatched).
   The config does not change while `fit` runs; the learning rate it holds
   is the one at the walk, and the optimizer's variables saved beside it
@@ -186,8 +186,9 @@ def _optimizers_saving_variables(model):
     keep Keras's own `save_own_variables` store their variables.
 
     Keras's stores `variable.numpy()`: a host copy of the whole optimizer
-    state on the training thread, waiting for the step computing it (the
-    first walk of a ~650 MB FSDP Adam state took 3.2 s of that thread here).
+    state on the training thread, waiting for the step computing it (and
+    for the copy of every array; `python benchmarks/checkpointing.py`
+    measures a save's block on that thread).
     The walk only records where each value goes; the values are frozen
     after it. An optimizer that defines its own `save_own_variables` is
     left as it is (`_optimizer_variables` maps its values back).

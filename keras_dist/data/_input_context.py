@@ -141,7 +141,7 @@ class InputOptions:
             the replicas by rows, and each pass lays its batches out once
             from them as blocks (an `all_to_all`): 1/replicas of it a
             device, but on CPU devices slower than the host path (BR in
-            `benchmarks/README.md`). `False`: never. With several
+            `benchmarks/single_vs_mirrored.py`). `False`: never. With several
             processes it is ignored (batches are laid out step by step, on
             a background thread).
         device_resident_budget: the bytes of a dataset one device's memory

@@ -20,10 +20,11 @@ axis, as Keras concatenates them; for `fit` and `evaluate` the logs are the
 last step's, as Keras returns them.
 
 On CPU devices a step with a convolution is not fused: XLA:CPU runs a
-convolution inside a loop many times slower than alone (jax-ml/jax#12868;
-the figures are in benchmarks/README.md, "Figures the code's design rests
-on"). The first group decides, from the program's jaxpr; every group then
-runs through Keras's loop.
+convolution inside a loop far slower than alone (jax-ml/jax#12868), so the
+fused group would cost more than the dispatches it saves (`python
+benchmarks/single_vs_mirrored.py --models resnet --configs B,B32,E,E32`
+measures it). The first group decides, from the program's jaxpr; every
+group then runs through Keras's loop.
 """
 
 from collections.abc import Callable, Iterator

@@ -19,9 +19,11 @@ where) is made on the host from the pass's index batches (`plan_exchange`),
 and two int32 tables of about one entry a row are transferred.
 
 On CPU devices the exchange costs more than the copy's gathers it replaces
-(the tiny benchmark model, 51 MB of data on 8 virtual devices: 20-35 ms
-an epoch more, BR against BS in `benchmarks/README.md`), and the host path
-beat it too (BS with `--input host`). So data a device can hold is copied,
+(all devices share the host's cores and memory, so an `all_to_all` of the
+rows is a copy through the same RAM plus a collective), and the host path
+beats it too: `python benchmarks/single_vs_mirrored.py --models tiny
+--configs B,BS,BR` measures it (BR against BS; BS with `--input host` for
+the host path). So data a device can hold is copied,
 data it cannot goes through the host, and the split layout is used when
 asked for (`device_resident=True` and a budget under a copy:
 `_resident_data.resident_layout`): it keeps 1/replicas of the data a

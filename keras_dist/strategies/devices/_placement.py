@@ -27,8 +27,9 @@ sooner the more loaded the machine. Two guards:
   threads for the cores). On one device, GPUs and TPUs it does nothing.
   Waiting for a program that finished long ago costs microseconds.
 
-The measurements: benchmarks/README.md, "Figures the code's design rests
-on" and "Pacing".
+`python benchmarks/cpu_thread_flood.py 15000` floods the pool (eager
+all-reduces on 8 devices); `python benchmarks/single_vs_mirrored.py
+--configs B,BU,EK,EKU` measures what the pacing costs a step.
 """
 
 import collections

@@ -9,7 +9,8 @@ vector (a few bytes a row) and takes its rows from its own copy: batch rows
 `r * b ... (r + 1) * b - 1`, the layout of `lay_out`, with no communication
 between devices. An index of -1 gives a row of zeros: the padding of a
 partial batch. On CPU devices a shuffled step, gathering, is slower than
-one in order (BS against B in `benchmarks/README.md`).
+one in order, which slices a block (`python
+benchmarks/single_vs_mirrored.py --configs B,BS` measures it: BS against B).
 
 A dataset read only in its own order (`evaluate`, `predict`, the validation
 data, `fit(shuffle=False)`) is not copied to every device: its full batches
