@@ -18,8 +18,9 @@ gathered). Orbax writes, commits a step by a rename once every process has writt
 (barriers through JAX's coordination service from its threads), keeps
 what the preservation policy says and deletes half-written steps. Its
 error reaches the training thread through `pipeline.Writer`. Arrays are
-written uncompressed (zstd saves ~9% of a trained float state's bytes and
-more than doubles a write's CPU time); with one process, without
+written uncompressed (a trained float state's bytes look random: zstd
+saves few of them and adds much of a write's CPU time, which the host
+shares with training); with one process, without
 replica-parallel slicing (a device copy per replica of each replicated
 value, for nothing).
 """

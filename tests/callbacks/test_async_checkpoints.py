@@ -715,7 +715,8 @@ def test_the_saving_walk_copies_no_optimizer_state_to_the_host(
 def test_backups_and_sharded_checkpoints_are_written_uncompressed(tmp_path):
     """They hold the state's raw bytes, as `.weights.h5` does: zstd saves
     ~9% of a trained float state's bytes and more than doubles a write's
-    CPU time, which the host shares with training (benchmarks/README.md).
+    CPU time, which the host shares with training (measured once; in the
+    git history of benchmarks/README.md).
     A kernel of zeros would compress to a few KB."""
     with kd.MirroredStrategy().scope():
         model = keras.Sequential(
