@@ -137,40 +137,50 @@ def markdown(payload: dict) -> str:
 
 
 def plot(payload: dict, path: pathlib.Path) -> bool:
-    """Bars of ms/step (median, min-max whiskers) per configuration; scaling."""
+    """Horizontal bars of ms/step (median, min-max whiskers), one panel a
+    model, each configuration named in words (keras_dist's in blue); the
+    scaling curve of B when measured. False without matplotlib."""
     plt = pyplot()
     if plt is None:
         return False
     rows = [r for r in payload["rows"] if "error" not in r]
-    models = sorted({r["model"] for r in rows})
-    configs = list(dict.fromkeys(r["config"] for r in payload["rows"]))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / max(1, len(models))
-    for i, model in enumerate(models):
-        mine = [r for r in rows if r["model"] == model]
-        xs = [configs.index(r["config"]) + i * width for r in mine]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    # Device counts are keys: strings once read back from the JSON.
+    curve = {int(n): ms for n, ms in payload["analysis"]["scaling"].items()}
+    counts = [sum(r["model"] == m for r in rows) for m in models]
+    heights = counts + ([4] if curve else [])
+    fig, axes = plt.subplots(
+        len(heights),
+        1,
+        figsize=(10, 1.2 + 0.32 * sum(heights) + 0.6 * len(heights)),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
+    )
+    for ax, model in zip(axes[:, 0], models, strict=False):
+        mine = [r for r in rows if r["model"] == model][::-1]
         ms = [r["ms_median"] for r in mine]
         spread = [
             [m - r["ms_min"] for m, r in zip(ms, mine, strict=True)],
             [r["ms_max"] - m for m, r in zip(ms, mine, strict=True)],
         ]
-        axes[0].bar(xs, ms, width=width, yerr=spread, capsize=2, label=model)
-    axes[0].set_xticks([i + 0.4 - width / 2 for i in range(len(configs))], configs)
-    axes[0].set_ylabel("ms / step (median, min-max over runs)")
-    axes[0].set_yscale("log")
-    axes[0].set_title("ms/step per configuration")
-    axes[0].legend()
-    curve = payload["analysis"]["scaling"]
+        colors = ["tab:blue" if r["config"][0] in "BF" else "tab:gray" for r in mine]
+        ax.barh(range(len(mine)), ms, xerr=spread, capsize=2, color=colors)
+        # The name up to its first parenthesis (the tables have the rest).
+        labels = [f"{NAMES[r['config']].split(' (')[0]} ({r['config']})" for r in mine]
+        ax.set_yticks(range(len(mine)), labels, fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms / step (median, min-max over runs; log scale)")
+        ax.set_title(f"model: {model}", fontsize=10)
     if curve:
+        ax = axes[-1, 0]
         ns = sorted(curve)
-        axes[1].plot(ns, [curve[n] for n in ns], marker="o", label="B: keras_dist fit")
-        axes[1].set_xscale("log", base=2)
-        axes[1].set_xlabel("devices (same global batch)")
-        axes[1].set_ylabel("ms / step")
-        axes[1].set_title(f"scaling, {payload['scaling_model']}")
-        axes[1].legend()
-    else:
-        axes[1].axis("off")
+        ax.plot(ns, [curve[n] for n in ns], marker="o", label="keras_dist fit (B)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("devices (same global batch)")
+        ax.set_ylabel("ms / step")
+        ax.set_title(f"scaling, {payload['scaling_model']}", fontsize=10)
+        ax.legend()
+    fig.suptitle(f"{payload['date']}, {payload['machine']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
