@@ -58,21 +58,8 @@ from _runs import combine_runs, machine, run_worker
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["A", "B", "B32", "BU", "B32U", "BH", "BH32", "BN", "BN32", "BS", "BR"]
-CONFIGS += [
-    "C",
-    "CS",
-    "C0",
-    "D",
-    "E",
-    "E32",
-    "EK",
-    "EK32",
-    "EKU",
-    "EK32U",
-    "EKH",
-    "EKH32",
-]
-CONFIGS += ["F"]
+CONFIGS += ["C", "CS", "C0", "D", "E", "E32", "EK", "EK32", "EKU", "EK32U"]
+CONFIGS += ["EKH", "EKH32", "F"]
 BATCH = {"tiny": 256, "cnn": 256, "resnet": 128}
 # Steps per epoch: tiny takes ~1-3 ms a step, so it needs more of them to be
 # timed at all, and at least 32 for B32's executions of 32 steps.

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["BatchGroup", "group_of", "grouped", "read_group"]
+__all__ = ["BatchGroup", "alike", "columns_of", "group_of", "grouped", "read_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,26 +83,38 @@ def group_of(batches: list) -> BatchGroup | None:
     They can when they have one structure and each leaf is either the same
     object in all of them or a `jax.Array` of one shape and dtype.
     """
-    flat = [jax.tree.flatten(batch) for batch in batches]
-    treedef: jax.tree_util.PyTreeDef = flat[0][1]
-    if any(other != treedef for _, other in flat[1:]):
+    found = columns_of(batches)
+    if found is None:
         return None
-    columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
+    treedef, columns = found
     is_shared = tuple(all(leaf is column[0] for leaf in column) for column in columns)
     shared, varying = [], []
     for column, same in zip(columns, is_shared, strict=True):
         if same:
             shared.append(column[0])
-        elif all(_like(leaf, column[0]) for leaf in column):
+        elif alike(column, jax.Array):
             varying.append(tuple(column))
         else:
             return None
     return BatchGroup(treedef, is_shared, tuple(shared), tuple(varying))
 
 
-def _like(leaf: Any, first: Any) -> bool:
-    return (
-        isinstance(leaf, jax.Array)
+def columns_of(batches: list) -> tuple[Any, list[tuple]] | None:
+    """`(treedef, columns)`: the batches' one structure and, per leaf, the
+    batches' arrays of it; None when their structures differ."""
+    flat = [jax.tree.flatten(batch) for batch in batches]
+    treedef: jax.tree_util.PyTreeDef = flat[0][1]
+    if any(other != treedef for _, other in flat[1:]):
+        return None
+    return treedef, list(zip(*(leaves for leaves, _ in flat), strict=True))
+
+
+def alike(column: tuple, kind: Any) -> bool:
+    """Whether every leaf of `column` is a `kind` of the first's shape and dtype."""
+    first = column[0]
+    return all(
+        isinstance(leaf, kind)
         and leaf.shape == first.shape
         and leaf.dtype == first.dtype
+        for leaf in column
     )

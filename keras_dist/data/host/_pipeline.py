@@ -46,7 +46,13 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data import _call
-from keras_dist.data._batch_group import BatchGroup, grouped, read_group
+from keras_dist.data._batch_group import (
+    BatchGroup,
+    alike,
+    columns_of,
+    grouped,
+    read_group,
+)
 from keras_dist.data._partial_batch import (
     as_padded_batch,
     batch_size_of,
@@ -227,13 +233,10 @@ def _stacked(strategy: InputTarget, items: list, count: int) -> BatchGroup | Non
     """
     if len(items) < count or strategy.num_processes > 1:
         return None
-    flat = [jax.tree.flatten(data) for data, _, _ in items]
-    treedef: jax.tree_util.PyTreeDef = flat[0][1]
-    if any(other != treedef for _, other in flat[1:]):
+    found = columns_of([data for data, _, _ in items])
+    if found is None or not found[1]:
         return None
-    columns = list(zip(*(leaves for leaves, _ in flat), strict=True))
-    if not columns:
-        return None
+    treedef, columns = found
     replicas = strategy.num_local_replicas
     for column in columns:
         first = column[0]
@@ -241,12 +244,7 @@ def _stacked(strategy: InputTarget, items: list, count: int) -> BatchGroup | Non
             type(first) is not np.ndarray
             or not first.ndim
             or first.shape[0] % replicas
-            or any(
-                type(leaf) is not np.ndarray
-                or leaf.shape != first.shape
-                or leaf.dtype != first.dtype
-                for leaf in column
-            )
+            or not alike(column, np.ndarray)
         ):
             return None
     stacked = strategy.lay_out_steps([np.stack(column) for column in columns])
