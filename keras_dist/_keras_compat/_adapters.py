@@ -32,7 +32,7 @@ from keras_dist._keras_compat._wrapped import marked
 from keras_dist.data import _call
 from keras_dist.data._target import InputTarget
 from keras_dist.data.host._auto_shard import per_process_share
-from keras_dist.data.resident._resident import ResidentPass
+from keras_dist.data.resident._resident import KeptPass, ResidentPass
 from keras_dist.data.resident._resident_data import lay_out_resident, resident_layout
 from keras_dist.strategies._base import Strategy
 
@@ -77,22 +77,24 @@ def resident_pass(adapter: Any, strategy: InputTarget) -> ResidentPass | None:
         rows = _rows(adapter)
         if call is not None and call.check_batch is not None:
             call.check_batch(rows, 0)  # What the host path checks batch by batch.
-        # Without a shuffle every pass reads the same batches: read once.
-        in_order = None if adapter._shuffle else list(_index_batches(adapter))
+        # Without a shuffle every pass reads the same batches: the first
+        # pass reads and lays them out, the others take what it kept.
         found = (
             adapter,
             lay_out_resident(strategy, rows, layout, block_rows=block_rows),
-            in_order,
+            None if adapter._shuffle else KeptPass(),
         )
         cache[id(adapter)] = found
+    kept = found[2]
     # Keras draws a `shuffle="batch"` order as it reads each batch.
     read_ahead = adapter._shuffle != "batch"
     return ResidentPass(
         strategy,
         found[1],
-        _index_batches(adapter) if found[2] is None else iter(found[2]),
+        _index_batches(adapter),
         call=call,
         read_ahead=read_ahead,
+        kept=kept,
     )
 
 

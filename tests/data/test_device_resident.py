@@ -134,7 +134,9 @@ class _Transfers:
         # once; no indices to transfer.
         ("split", True, {"lay_out": 0, "lay_out_steps": 0, "exchange_rows": 4}),
         # In the dataset's order: no table; a step number names a block.
-        (True, False, {"lay_out": 3, "lay_out_steps": 0, "exchange_rows": 0}),
+        # Every pass reads the same batches: the partial one is laid out
+        # once, at the first epoch, and kept for the others.
+        (True, False, {"lay_out": 1, "lay_out_steps": 0, "exchange_rows": 0}),
         # Keras draws each batch's order as it reads it: one by one.
         (True, "batch", {"lay_out": 16, "lay_out_steps": 0, "exchange_rows": 0}),
     ],
@@ -148,6 +150,36 @@ def test_a_pass_lays_out_its_indices_once(resident, shuffle, want):
     assert transfers.counts == want  # 37 rows: 4 batches of 8 and 1 of 5.
     # One step number a full batch of a table, made once and kept.
     assert len(strategy.placement._step_numbers) == (0 if shuffle == "batch" else 4)
+
+
+def test_passes_in_order_take_the_first_pass_as_laid_out(monkeypatch):
+    """Every pass of a call in order reads the same batches: laid out once."""
+    from keras_dist.data.resident import _resident
+
+    laid_out = []
+    original = _resident.lay_out_pass
+
+    def counted(strategy, resident, batches):
+        laid_out.append(len(batches))
+        return original(strategy, resident, batches)
+
+    monkeypatch.setattr(_resident, "lay_out_pass", counted)
+    histories = []
+    for resident in (True, False):  # Device-resident, then the host path.
+        keras.utils.set_random_seed(7)
+        strategy = mirrored(8)
+        strategy.input_options = resident_options(resident)
+        model = build_in_scope(strategy, WEIGHTS)
+        fit = model.fit(X, Y, batch_size=8, epochs=4, shuffle=False, verbose=0)
+        histories.append(fit.history)
+        if resident:
+            # 37 rows: 5 batches a pass; Keras's build pass and 4 epochs.
+            assert laid_out == [5]
+            model.evaluate(X, Y, batch_size=8, verbose=0)
+            assert laid_out == [5, 5]  # A call of its own: its own pass.
+    assert len(histories[0]["loss"]) == 4
+    for key in histories[1]:  # Bit-identical to the host path.
+        np.testing.assert_equal(histories[0][key], histories[1][key])
 
 
 @pytest.mark.parametrize(

@@ -63,7 +63,7 @@ from keras_dist.data._target import InputTarget
 from keras_dist.data.resident._resident_batch import ResidentBatch, keras_form
 from keras_dist.data.resident._resident_data import ResidentData
 
-__all__ = ["PassLayout", "ResidentPass", "lay_out_pass", "not_blocks"]
+__all__ = ["KeptPass", "PassLayout", "ResidentPass", "lay_out_pass", "not_blocks"]
 
 
 class ResidentPass:
@@ -84,6 +84,9 @@ class ResidentPass:
             or an integer array), in Keras's order.
         call: the running call (batch size, input timings), or None.
         read_ahead: whether `index_batches` may be read all at once.
+        kept: for a call whose passes all read the same batches (data in
+            its order), what its first pass read and laid out, for the next
+            passes to take as they are (`KeptPass`); None otherwise.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class ResidentPass:
         *,
         call: CallState | None,
         read_ahead: bool = False,
+        kept: "KeptPass | None" = None,
     ):
         split = resident.replica_rows is not None
         if split and not read_ahead:
@@ -107,6 +111,7 @@ class ResidentPass:
         self._indices: Iterator[np.ndarray] = (
             _as_indices(i, resident.rows) for i in index_batches
         )
+        self._kept = kept if read_ahead else None
         self._call = call
         self._first = True
         self._read_ahead = read_ahead
@@ -159,7 +164,13 @@ class ResidentPass:
                 first,
                 True,
             )
-        return self._lay_out(indices)
+        kept = self._kept
+        if kept is None:
+            return self._lay_out(indices)
+        batch = kept.rest.get(position)
+        if batch is None:  # The same at every pass: laid out once.
+            batch = kept.rest[position] = self._lay_out(indices)
+        return batch
 
     def _from_table(self, number: Any) -> ResidentBatch:
         """The batch a step number names: a row of the table, or a block."""
@@ -215,9 +226,16 @@ class ResidentPass:
         """The next `count` index batches (fewer at the end of the pass)."""
         if self._read_ahead:
             self._read_ahead = False
-            batches = list(self._indices)
-            self._indices = iter(batches)
-            self._layout = lay_out_pass(self._strategy, self._resident, batches)
+            kept = self._kept
+            if kept is not None and kept.layout is not None:
+                self._indices = iter(kept.batches)
+                self._layout = kept.layout
+            else:
+                batches = list(self._indices)
+                self._indices = iter(batches)
+                self._layout = lay_out_pass(self._strategy, self._resident, batches)
+                if kept is not None:
+                    kept.batches, kept.layout = batches, self._layout
         taken = list(itertools.islice(self._indices, count))
         self._position += len(taken)
         if not taken:
@@ -271,6 +289,24 @@ class ResidentPass:
         """
         self._layout = PassLayout(None, self._layout.blocked)
         self._table_form = None
+
+
+@dataclasses.dataclass
+class KeptPass:
+    """What the first pass of a call read and laid out, when every pass is alike.
+
+    `evaluate`, `predict`, validation data and `fit(shuffle=False)` read the
+    same index batches at every pass: the later passes of the call take the
+    first one's indices, `PassLayout` and laid-out partial batch as they
+    are, instead of reading, stacking, checking and transferring them again
+    each epoch.
+    """
+
+    batches: list = dataclasses.field(default_factory=list)
+    layout: "PassLayout | None" = None
+    # The batches after the layout's steps (a partial last batch), laid
+    # out, by their position in the pass.
+    rest: dict = dataclasses.field(default_factory=dict)
 
 
 # (treedef, is_shared, shared): the fields of a `BatchGroup` but `varying`.
