@@ -146,6 +146,32 @@ def test_fit_compiles_its_train_step_once(make, caplog):
     assert len(compiled) == 1
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: kd.OneDeviceStrategy("cpu:0"), lambda: mirrored(8)],
+    ids=["one_device", "mirrored8"],
+)
+def test_host_scalars_assigned_keep_the_layout_and_compile_once(make, caplog):
+    """A Python number or NumPy scalar assigned to a scalar variable (a
+    metric's reset, a learning rate set each epoch) lands in the variable's
+    layout with its value; a new value does not compile again."""
+    strategy = make()
+    with strategy.scope():
+        rate = keras.Variable(0.5, dtype="float32")
+        count = keras.Variable(0, dtype="int32")
+    layouts = (rate.value.sharding, count.value.sharding)
+    with jax.log_compiles(True), caplog.at_level("WARNING", logger="jax"):
+        for i, value in enumerate(np.linspace(1e-3, 1e-2, 12)):
+            rate.assign(float(value) if i % 2 else np.float32(value))
+            count.assign(i)
+            assert float(rate.value) == np.float32(value)
+            assert int(count.value) == i
+            assert (rate.value.sharding, count.value.sharding) == layouts
+    compiled = [r for r in caplog.records if "Compiling" in r.message]
+    # One placing program per dtype (float32, int32); none per value.
+    assert len(compiled) <= 2, [r.message for r in compiled]
+
+
 def test_input_machinery_moved_to_the_placement_with_a_deprecation():
     strategy = kd.MirroredStrategy()
     rows = np.arange(16, dtype=np.float32).reshape(8, 2)
