@@ -1,7 +1,7 @@
 """One checkpointing configuration in a fresh process (`checkpointing.py`).
 
     python benchmarks/_checkpointing_worker.py CONFIG SIZE LAYOUT STEPS EVERY DIR \
-        [PAIRS]
+        [PAIRS [PAGE_CACHE_PAUSE]]
 
 Trains an MLP with Adam (`SIZE`: its state, weights + Adam's two slots, of
 ~100 MB or ~1 GB) under `LAYOUT` (`fsdp`: MirroredStrategy(shard_variables=
@@ -16,7 +16,9 @@ callbacks only; a save that reads a value of the state on the host also
 waits there for the steps already dispatched), the wait for saves in
 flight at the end of `fit`, the device -> host copy time of the whole
 state (the limit of any save that snapshots it), the peak RSS above the
-RSS before the timed `fit`.
+RSS before the timed `fit`, and the machine's floor for writing the state
+through the page cache: into pages freed seconds earlier (`page_cache_s`)
+and right after (`page_cache_reused_s`).
 
 With `PAIRS` > 0 (a saving configuration) it then times `PAIRS` more pairs
 of `fit`s in this process, one without a checkpoint callback and one with a
@@ -40,6 +42,7 @@ from _runs import force_host_devices, print_result
 CONFIG, SIZE, LAYOUT = sys.argv[1], sys.argv[2], sys.argv[3]
 STEPS, EVERY, DIRECTORY = int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 PAIRS = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+PAGE_CACHE_PAUSE = float(sys.argv[8]) if len(sys.argv) > 8 else 0.0
 # Under keras-dist-run (`--processes 2`): its XLA_FLAGS give 4 devices each.
 PLATFORM = force_host_devices(8)
 os.environ["KERAS_BACKEND"] = "jax"
@@ -223,6 +226,38 @@ def host_copy_seconds(model) -> float:
     return best
 
 
+def page_cache_write_seconds(nbytes: int, pause: float) -> dict:
+    """This machine's floor for writing `nbytes` (the state) through the page
+    cache, as every writer (h5py, Orbax) does: a new file written `pause`
+    seconds after the previous one was deleted (saves are seconds apart),
+    and one written right after (the median of 3 each). On a machine whose memory
+    stays resident the two are alike; a VM that hands freed pages back to
+    its host (virtio-balloon free-page reporting) backs every page again,
+    and the first is several times the second."""
+    chunk = memoryview(bytearray(4 << 20))
+    path = os.path.join(DIRECTORY, "page-cache-probe")
+
+    def write() -> float:
+        start = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(0, nbytes, len(chunk)):
+                f.write(chunk)
+        seconds = time.perf_counter() - start
+        os.remove(path)
+        return seconds
+
+    write()
+    fresh, reused = [], []
+    for _ in range(3):
+        time.sleep(pause)
+        fresh.append(write())
+        reused.append(write())
+    return {
+        "page_cache_s": statistics.median(fresh),
+        "page_cache_reused_s": statistics.median(reused),
+    }
+
+
 def make_strategy() -> kd.Strategy:
     """MirroredStrategy; MultiWorkerMirroredStrategy under keras-dist-run."""
     shard = LAYOUT == "fsdp"
@@ -272,6 +307,9 @@ def main():
     blocked_cpu, waited = list(BLOCKED_CPU), list(WAITED)  # The timed fit's.
     paired = _pairs(model, x[BATCH * EVERY :], y[BATCH * EVERY :])
     state = sum(v.value.nbytes for v in model.variables + model.optimizer.variables)
+    page_cache = (
+        page_cache_write_seconds(state, PAGE_CACHE_PAUSE) if PAGE_CACHE_PAUSE else {}
+    )
     print_result(
         {
             "config": CONFIG,
@@ -296,6 +334,7 @@ def main():
             "waited_s": waited,
             "end_wait_s": sum(ends),
             "host_copy_s": host_copy_seconds(model),
+            **page_cache,
             "peak_rss_mb": rss.peak / 2**20,
             "extra_rss_mb": max(0, rss.peak - rss_before) / 2**20,
             "first_epoch_s": 0.0,
