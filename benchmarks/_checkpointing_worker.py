@@ -186,6 +186,9 @@ def callback(blocked: list, directory: str = DIRECTORY):
             max_to_keep=2,
         )
         _timed(cb, "_save_model", blocked, save=True)
+    elif CONFIG == "floor":
+        cb = _Floor(path)
+        _timed(cb, "_save", blocked, save=True)
     elif CONFIG == "keras_orbax":
         cb = keras.callbacks.OrbaxCheckpoint(
             path, save_freq=EVERY, save_on_background=True, max_to_keep=2
@@ -194,6 +197,55 @@ def callback(blocked: list, directory: str = DIRECTORY):
     else:
         raise SystemExit(f"unknown configuration {CONFIG!r}")
     return cb
+
+
+class _Floor(keras.callbacks.Callback):
+    """The floor of an asynchronous save, for comparison (no format, no
+    library): keras_dist's snapshot on the devices, as its callbacks take
+    it, then on a background thread each distinct part's bytes written to a
+    new file and the previous file deleted; one write in flight."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.batches, self.previous = path, 0, None
+        self.thread: threading.Thread | None = None
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+
+    def _state(self) -> list:
+        return [v.value for v in self.model.variables + self.model.optimizer.variables]
+
+    def on_train_begin(self, logs=None):
+        from keras_dist._checkpoint.pipeline import prepare
+
+        prepare(self._state())  # Compiled now, as the callbacks do.
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        if self.batches % EVERY == 0:
+            self._save()
+
+    def _save(self) -> None:
+        from keras_dist._checkpoint.pipeline import freeze
+
+        self.on_train_end()  # One write in flight.
+        frozen = freeze(self._state())
+        path = f"{self.path}_{self.batches}.bin"
+        self.thread = threading.Thread(target=self._write, args=(frozen, path))
+        self.thread.start()
+
+    def _write(self, frozen: list, path: str) -> None:
+        with open(path, "wb") as f:
+            for value in frozen:
+                for part in _local_parts(value):
+                    f.write(memoryview(np.ascontiguousarray(part)))
+        if self.previous:
+            os.remove(self.previous)
+        self.previous = path
+
+    def on_train_end(self, logs=None):
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 def _process_cpu_seconds() -> float:

@@ -12,6 +12,8 @@ each configuration in a fresh process (`benchmarks/_checkpointing_worker.py`):
     mc_async     kd.callbacks.ModelCheckpoint(".weights.h5")  (async, default)
     mc_sharded   kd.callbacks.ModelCheckpoint(dir, sharded=True) (Orbax, async)
     keras_orbax  keras.callbacks.OrbaxCheckpoint(save_on_background=True)
+    floor        no library: keras_dist's device snapshot, its bytes written
+                 to a file on a background thread (what any save costs)
 
 and reports the step time against `nosave`'s (the whole timed `fit`, and
 its steps alone: the `fit` less its end, where it waits for the last save's
@@ -66,6 +68,7 @@ CONFIGS = [
     "mc_async",
     "mc_sharded",
     "keras_orbax",
+    "floor",
 ]
 ASYNC = ("bar_async", "mc_async", "mc_sharded")
 
@@ -262,7 +265,8 @@ def markdown(payload: dict) -> str:
         "time (all threads) per timed step. Training thread CPU: its own CPU "
         "time in a save (the rest of its block is waiting for a core, a lock "
         "or the previous save). New page cache: this machine's time to write "
-        "the state's bytes to a new file, 5 s after the previous one was "
+        "the state's bytes to a new file, `--page-cache-pause` seconds (5) "
+        "after the previous one was "
         "deleted (as saves apart are) and right after: the floor of any "
         "writer through the page cache (h5py, Orbax); where the two differ, "
         "the machine backs freed memory again at each save (a VM handing "
@@ -278,7 +282,7 @@ def markdown(payload: dict) -> str:
         "ms/step | blocked ms/save (median) | training thread CPU ms/save | "
         "of which waiting for the previous save | device->host ms | "
         "end wait ms | extra RSS MB | added ms/save | added ms/save, paired | "
-        "state written to new page cache ms, 5 s after a delete / right after |",
+        "state written to new page cache ms, a pause after a delete / right after |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in payload["rows"]:
