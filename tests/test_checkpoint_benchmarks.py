@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.benchmarks]
 
 
 def test_checkpointing_benchmark_measures_each_configuration(tmp_path):
-    configs = ["nosave", "bar_async"]  # A fresh process each: ~10 s alone.
+    # A fresh process each: ~10 s alone. `floor`: no library, no target.
+    configs = ["nosave", "bar_async", "floor"]
     args = ["--sizes", "tiny", "--layouts", "fsdp", "--configs", ",".join(configs)]
     args += ["--steps", "4", "--every", "2", "--pairs", "1", "--out", str(tmp_path)]
     args += ["--page-cache-pause", "0.1"]
@@ -42,6 +43,7 @@ def test_checkpointing_benchmark_measures_each_configuration(tmp_path):
     paired = (run["paired_save_ms"][0] - run["paired_nosave_ms"][0]) * 4 / 2
     assert bar["paired_added_ms_per_save"] == pytest.approx(paired)
     assert "paired_added_ms_per_save" not in nosave
+    assert rows["floor"]["paired_added_ms_per_save"] is not None
     assert target["value"] == pytest.approx(paired / bar["host_copy_ms"])
     assert (tmp_path / "checkpointing.md").read_text() in out
 
