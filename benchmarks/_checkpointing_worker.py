@@ -203,7 +203,8 @@ class _Floor(keras.callbacks.Callback):
     """The floor of an asynchronous save, for comparison (no format, no
     library): keras_dist's snapshot on the devices, as its callbacks take
     it, then on a background thread each distinct part's bytes written to a
-    new file and the previous file deleted; one write in flight."""
+    new file (each process its own) and the previous file deleted; one
+    write in flight."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -229,7 +230,7 @@ class _Floor(keras.callbacks.Callback):
 
         self.on_train_end()  # One write in flight.
         frozen = freeze(self._state())
-        path = f"{self.path}_{self.batches}.bin"
+        path = f"{self.path}_{jax.process_index()}_{self.batches}.bin"
         self.thread = threading.Thread(target=self._write, args=(frozen, path))
         self.thread.start()
 
