@@ -288,7 +288,7 @@ def page_cache_write_seconds(nbytes: int, pause: float) -> dict:
     its host (virtio-balloon free-page reporting) backs every page again,
     and the first is several times the second."""
     chunk = memoryview(bytearray(4 << 20))
-    path = os.path.join(DIRECTORY, "page-cache-probe")
+    path = os.path.join(DIRECTORY, f"page-cache-probe-{jax.process_index()}")
 
     def write() -> float:
         start = time.perf_counter()
