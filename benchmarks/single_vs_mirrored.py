@@ -39,6 +39,7 @@ and a PNG (matplotlib) to `--out`.
     python benchmarks/single_vs_mirrored.py --quick --repeats 5   # cnn + tiny
     python benchmarks/single_vs_mirrored.py --preset proxy        # host cost, 1 CPU
     python benchmarks/single_vs_mirrored.py --preset gpu          # one GPU, < 5 min
+    bash benchmarks/gpu_preset.sh run "$OUT"   # the same on a lent machine, one call
     python benchmarks/single_vs_mirrored.py                       # + resnet, scaling
     python benchmarks/single_vs_mirrored.py --platform gpu --devices 4
 """
