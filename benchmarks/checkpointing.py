@@ -135,7 +135,7 @@ def combine(runs: list) -> dict:
     for key in ("blocked_s", "blocked_cpu_s", "waited_s"):
         row[key] = [x for r in done for x in r.get(key, [])]
     for key in ("host_copy_s", "end_wait_s", "page_cache_s", "page_cache_reused_s"):
-        if all(key in r for r in done):  # The page cache's: runs since 11-28.
+        if all(key in r for r in done):  # The page cache's: not in older runs.
             row[key] = statistics.median(r[key] for r in done)
     row["steps_ms_per_step"] = statistics.median(_steps_ms(r) for r in done)
     row["extra_rss_mb"] = max(r["extra_rss_mb"] for r in done)
@@ -149,10 +149,6 @@ def combine(runs: list) -> dict:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def _ms(seconds: float | None) -> str:
-    return "n/a" if seconds is None else f"{1000 * seconds:.0f}"
 
 
 def _steps_ms(run: dict) -> float:
@@ -303,7 +299,11 @@ def markdown(payload: dict) -> str:
             f"{1000 * r['end_wait_s']:.0f} | {r['extra_rss_mb']:.0f} | "
             f"{fmt(r.get('added_ms_per_save'), 1)} | "
             f"{fmt(r.get('paired_added_ms_per_save'), 1)} | "
-            f"{_ms(r.get('page_cache_s'))} / {_ms(r.get('page_cache_reused_s'))} |"
+            + " / ".join(
+                fmt(None if s is None else 1000 * s, 0)
+                for s in (r.get("page_cache_s"), r.get("page_cache_reused_s"))
+            )
+            + " |"
         )
     several = [r for r in payload["rows"] if "error" not in r and r.get("ranks")]
     if several:
