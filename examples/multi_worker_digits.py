@@ -26,9 +26,14 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-per-replica", type=int, default=16)
     parser.add_argument("--workdir", default="multi_worker_run")
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the same run on any cluster layout"
+    )
     args = parser.parse_args(argv)
 
     strategy = kd.MultiWorkerMirroredStrategy()  # Joins the cluster first.
+    if args.seed is not None:  # The same on every process.
+        keras.utils.set_random_seed(args.seed)
     global_batch = args.batch_per_replica * strategy.num_replicas_in_sync
     x_train, x_test, y_train, y_test = load_data()
     if strategy.is_chief:

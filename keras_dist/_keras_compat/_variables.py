@@ -62,6 +62,7 @@ from keras_dist._keras_compat import _releases
 from keras_dist._keras_compat._wrapped import marked
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._any_shape import fit_layout
+from keras_dist.strategies.devices._lay_out import lay_out, needs_pieces
 from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
 from keras_dist.strategies.state._split_values import (
     compute_split,
@@ -257,7 +258,7 @@ def _direct_assign(method: Callable) -> Callable:
             and current.sharding != sharding
             and strategy_of_variable(variable) is not None
         ):
-            variable._value = jax.device_put(current, sharding)
+            variable._value = lay_out(current, sharding)
 
     marked(wrapper, method)
     return wrapper
@@ -344,18 +345,26 @@ def distribute_tensor(original: Callable) -> Callable:
     While a keras_dist strategy is current, such a layout is fitted to the
     tensor's shape first (`strategies/devices/_any_shape.fit_layout`: the
     dimension kept whole); a layout that fits (every variable's) is passed
-    on as it is. Without a strategy, Keras's own.
+    on as it is. An array of this process bound for a layout over several
+    processes (a new variable's initial value, an assigned array, a
+    library's tensor) is laid out by `strategies/devices/_lay_out.lay_out`,
+    which JAX's `device_put` cannot do with one device a process. Without a
+    strategy, Keras's own.
     """
 
     def wrapper(tensor: Any, layout: Any) -> Any:
+        if not isinstance(keras.distribution.distribution(), Strategy):
+            return original(tensor, layout)
         if (
             isinstance(layout, keras.distribution.TensorLayout)
             and layout.device_mesh is not None
-            and isinstance(keras.distribution.distribution(), Strategy)
         ):
             shape = np.shape(tensor)
             if not _fits(layout, shape):
                 layout = fit_layout(layout, shape)
+        sharding = getattr(layout, "backend_layout", layout)
+        if needs_pieces(tensor, sharding):
+            return lay_out(tensor, sharding)
         return original(tensor, layout)
 
     marked(wrapper, original)

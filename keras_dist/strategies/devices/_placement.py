@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from keras_dist import _backend
 from keras_dist.data._input_context import InputOptions
 from keras_dist.data.host import _sparse
+from keras_dist.strategies.devices._lay_out import lay_out
 
 __all__ = [
     "BATCH_AXIS",
@@ -265,7 +266,7 @@ class Placement:
             or array.sharding.is_equivalent_to(self._replicated, array.ndim)
         ):
             return array
-        return jax.device_put(array, self._replicated)
+        return lay_out(array, self._replicated)
 
     def _remember_batches(self, arrays: list, num_real: Any = None) -> None:
         """Marks laid-out batch arrays (`BatchRows`) where someone asks."""
@@ -393,7 +394,7 @@ def _place(array, sharding: NamedSharding) -> jax.Array:
     """
     if isinstance(array, np.ndarray):
         return jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
-    return jax.device_put(array, sharding)
+    return lay_out(array, sharding)
 
 
 def _as_array(leaf):

@@ -20,6 +20,8 @@ import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
+from keras_dist.strategies.devices._lay_out import lay_out
+
 __all__ = ["DEVICE", "HOST", "MemoryLayout", "host_memory_kind", "move"]
 
 DEVICE = "device"
@@ -76,4 +78,4 @@ def host_memory_kind(devices) -> str | None:
 
 def move(state: Any, sharding: NamedSharding) -> Any:
     """Every array of `state` laid out by `sharding` (inside `jit` too)."""
-    return jax.tree.map(lambda x: jax.device_put(x, sharding), state)
+    return jax.tree.map(lambda x: lay_out(x, sharding), state)
