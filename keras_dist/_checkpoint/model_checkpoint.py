@@ -11,7 +11,6 @@ logs will hold, the monitor at the first epoch end against the logs.
 import json
 import os
 import string
-import tempfile
 import time
 from typing import Any
 
@@ -19,6 +18,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
+from keras_dist._checkpoint.keras_files import save_once
 from keras_dist._checkpoint.lookup import STATE_FILE, SUFFIXES
 from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS, OrbaxStore
 from keras_dist._checkpoint.pipeline import (
@@ -40,6 +40,7 @@ from keras_dist._keras_compat._saving import (
     snapshot,
     write_snapshot,
 )
+from keras_dist._keras_compat._state import originals
 from keras_dist.callbacks._lr_control import plain_learning_rate
 from keras_dist.data import _call
 
@@ -333,16 +334,12 @@ class ModelCheckpoint(ModelCheckpointHooks):
         if self.async_save and not legacy:
             self._save_in_background(filepath, epoch, step)
             return
+        if _is_chief():
+            _check_not_dir(filepath)
+            self._writer.wait()  # An earlier background write first (legacy .h5).
+        self._write(filepath)  # Every process takes part; the chief writes.
         if not _is_chief():
-            if jax.process_count() > 1:
-                # Saving runs collectives (JAX checks values across processes):
-                # every process takes part; the others write to a scratch dir.
-                with tempfile.TemporaryDirectory() as scratch:
-                    self._write(os.path.join(scratch, os.path.basename(filepath)))
             return
-        _check_not_dir(filepath)
-        self._writer.wait()  # An earlier background write first (legacy .h5).
-        self._write(filepath)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
         self._record(filepath, epoch, step)
@@ -404,11 +401,16 @@ class ModelCheckpoint(ModelCheckpointHooks):
         self._writer.write(filepath, write)
 
     def _write(self, filepath: str) -> None:
-        if self.save_weights_only:
-            atomic_write(filepath, lambda p: self.model.save_weights(p, overwrite=True))
-        else:
-            with plain_learning_rate(self.model):  # Loadable without keras_dist.
-                atomic_write(filepath, lambda p: self.model.save(p, overwrite=True))
+        method = "save_weights" if self.save_weights_only else "save"
+        keras_save = originals[f"Model.{method}"]
+        with plain_learning_rate(self.model):  # Loadable without keras_dist.
+            save_once(
+                self.model,
+                filepath,
+                lambda p: keras_save(self.model, p, overwrite=True),
+                weights_only=self.save_weights_only,
+                method=f"ModelCheckpoint's model.{method}",
+            )
 
     def _record(self, filepath: str, epoch: int, step: int) -> None:
         """Adds a written file to the index; deletes what the policies drop."""

@@ -7,12 +7,23 @@ so a mismatch is an error naming the processes instead of a hang in a
 collective. `fit` also gives every process the chief's NumPy random state, so
 Keras shuffles NumPy inputs identically everywhere (each process then keeps
 its rows of the same global batches). Non-chief processes print nothing and
-do not run the logging callbacks (progress bar, CSVLogger, TensorBoard): the
-chief writes for all. `predict` gathers its outputs on every process.
+do not run the logging callbacks (progress bar, CSVLogger, TensorBoard,
+RemoteMonitor): the chief writes for all. Keras's own `ModelCheckpoint` and
+`BackupAndRestore` run on every process, but on the others as followers
+(`_follower`): their saves take part in the chief's (the save seam makes
+them one save, which the chief writes), their other files (directories, a
+backup's JSON, its deletion at the end) go to a scratch directory, and a
+`BackupAndRestore` restores from the chief's backup. `predict` gathers its
+outputs on every process.
 """
 
+import copy
 import hashlib
 import json
+import os
+import shutil
+import tempfile
+import weakref
 import zlib
 from typing import Any, cast
 
@@ -39,6 +50,12 @@ _CHIEF_ONLY_CALLBACKS = (
     keras.callbacks.ProgbarLogger,
     keras.callbacks.CSVLogger,
     keras.callbacks.TensorBoard,
+    keras.callbacks.RemoteMonitor,
+)
+# Keras's callbacks that save the model and write files of their own.
+_FOLLOWED_CALLBACKS = (
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.BackupAndRestore,
 )
 
 
@@ -105,7 +122,15 @@ def prepare_call(method: str, model, arguments: dict) -> None:
             them; a `ValueError`).
     """
     call = _describe_call(method, model, arguments)
-    everyone = _sync.allgather(f"call-{method}", call)
+    everyone = _sync.allgather(
+        f"call-{method}",
+        call,
+        rule=(
+            f"Call `model.{method}` on every process, not only on the chief: "
+            "keras_dist runs it over all of them (only the chief prints and "
+            "writes files)."
+        ),
+    )
     different = sorted(
         key for key in call if any(other.get(key) != call[key] for other in everyone)
     )
@@ -144,5 +169,51 @@ def prepare_call(method: str, model, arguments: dict) -> None:
         # (fit's own evaluate passes its CallbackList, already filtered.)
         if callbacks and isinstance(callbacks, (list, tuple)):
             arguments["callbacks"] = [
-                c for c in callbacks if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
+                _follower(c) if _followed(c) else c
+                for c in callbacks
+                if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
             ]
+
+
+def _followed(callback) -> bool:
+    """Keras's own file-writing callback (keras_dist's are safe as they are)."""
+    return isinstance(callback, _FOLLOWED_CALLBACKS) and not type(
+        callback
+    ).__module__.startswith("keras_dist.")
+
+
+def _follower(callback):
+    """On a process other than the chief: `callback` as the chief runs it,
+    its own files written into a scratch directory (removed with it).
+
+    Its saves (`model.save_weights`, `model.save`) take part in the chief's:
+    the save seam makes every process's call one save, the chief's file. A
+    `BackupAndRestore` follower restores from the chief's backup when
+    training begins, as the chief does.
+    """
+    scratch = tempfile.mkdtemp(prefix="keras_dist-follower-")
+    if isinstance(callback, keras.callbacks.BackupAndRestore):
+        kind = type(callback)
+        if kind.__init__ is not keras.callbacks.BackupAndRestore.__init__:
+            kind = keras.callbacks.BackupAndRestore
+        follower = kind(
+            os.path.join(scratch, "backup"),
+            save_freq=callback.save_freq,
+            double_checkpoint=callback.double_checkpoint,
+            delete_checkpoint=callback.delete_checkpoint,
+        )
+
+        def on_train_begin(logs=None):
+            callback.set_model(follower.model)
+            callback.on_train_begin(logs)  # Reads the chief's backup.
+
+        follower.on_train_begin = on_train_begin
+    else:
+        follower = copy.copy(callback)
+        path = os.fspath(callback.filepath)
+        follower.filepath = os.path.join(
+            scratch, os.path.splitdrive(path)[1].lstrip(os.sep)
+        )
+        follower.verbose = 0
+    weakref.finalize(follower, shutil.rmtree, scratch, True)
+    return follower

@@ -93,6 +93,13 @@ trainer's `fit`):
     is fitted to the tensor's shape: a dimension its mesh axes do not divide
     stays whole instead of raising eagerly.
 
+13. **A model saved by every process, written once** (`_save_calls.py`):
+    `Model.save`, `Model.save_weights`, `keras.saving.save_model` /
+    `save_weights` (and `keras.models.save_model`) on a model whose strategy
+    spans processes: every process takes part, the chief writes one complete
+    file (`_checkpoint/keras_files.save_once`), all return when it is
+    complete; a process that is not saving is named at once.
+
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
 `tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
@@ -133,6 +140,7 @@ from keras_dist._keras_compat._optimizer import (
     _check_finite,
     _stateless_apply,
 )
+from keras_dist._keras_compat._save_calls import saved_once
 from keras_dist._keras_compat._state import originals as _originals
 from keras_dist._keras_compat._variables import (
     _assign,
@@ -244,6 +252,28 @@ _SEAMS: tuple = (
     # Private: the function Keras and libraries lay tensors out with (the
     # public `keras.distribution.distribute_tensor` calls it by module).
     ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
+    # Public: saving a model or its weights (written once with several processes).
+    ("keras", "Model.save", saved_once(weights_only=False, method="model.save")),
+    (
+        "keras",
+        "Model.save_weights",
+        saved_once(weights_only=True, method="model.save_weights"),
+    ),
+    (
+        "keras.saving",
+        "save_model",
+        saved_once(weights_only=False, method="keras.saving.save_model"),
+    ),
+    (
+        "keras.models",
+        "save_model",
+        saved_once(weights_only=False, method="keras.models.save_model"),
+    ),
+    (
+        "keras.saving",
+        "save_weights",
+        saved_once(weights_only=True, method="keras.saving.save_weights"),
+    ),
 )
 
 PRIVATE_MODULES = ("keras.src", "jax._src", "tensorflow.python", "orbax")

@@ -1,5 +1,6 @@
 """`initialize`: the only caller of `jax.distributed.initialize`."""
 
+import atexit
 import math
 import os
 import sys
@@ -10,6 +11,7 @@ import jax
 
 from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
 from keras_dist._keras_compat import _jax_private
+from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import check_address, resolve
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -49,6 +51,7 @@ def _exit_fast_on_errors() -> None:
         traceback: TracebackType | None,
     ) -> None:
         previous(kind, value, traceback)
+        _sync.mark_exit("failed")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -184,6 +187,8 @@ def initialize(
         ) from error
     _STATE.update(resolver=resolver, joined=True)
     _exit_fast_on_errors()
+    # Before JAX's shutdown barrier (registered earlier, so run later).
+    atexit.register(_sync.mark_exit, "finished its program")
     print(
         f"keras_dist: joined: process {jax.process_index()} of {jax.process_count()}, "
         f"{jax.local_device_count()} local / {jax.device_count()} global "

@@ -4,26 +4,38 @@ Every exchange goes through the key-value store of the coordination service
 (the one `jax.distributed.initialize` starts) with a timeout, so a process
 that never arrives — crashed, or running a different program — turns into a
 `ClusterTimeoutError` naming it, never a silent hang in a collective.
+
+A process that will never arrive is named at once instead: one that ended
+(`mark_exit`: its program finished, or failed) or whose main thread waits
+in another exchange that this process has not reached (each waits for the
+other: `if strategy.is_chief: model.save(...)` while the others went on to
+`fit`). A main thread whose exchange takes longer than `_SLICE_MS` says
+where it waits (`keras_dist/at/<process>`), which its peers read.
 """
 
 import contextlib
 import json
+import threading
 import time
 from typing import Any
 
 import jax
 
 from keras_dist._keras_compat import _jax_private
-from keras_dist.errors import ClusterTimeoutError
+from keras_dist.errors import ClusterTimeoutError, ProcessMismatchError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "allgather",
     "broadcast_from_chief",
     "channel",
+    "mark_exit",
     "multi_process",
     "set_timeout",
 ]
+
+# How long a wait runs before it looks for peers that will never arrive.
+_SLICE_MS = 1000
 
 DEFAULT_TIMEOUT = 300.0
 _TIMEOUT = {"seconds": DEFAULT_TIMEOUT}
@@ -61,15 +73,26 @@ def _client():
     return client
 
 
-def allgather(name: str, value: Any, *, timeout: float | None = None) -> list:
+def allgather(
+    name: str, value: Any, *, timeout: float | None = None, rule: str = ""
+) -> list:
     """Every process's `value` (JSON-able), indexed by process, on every process.
 
     Processes must call it with the same `name` the same number of times (the
     exchanges are numbered per name).
 
+    Args:
+        name: the exchange (numbered per name).
+        value: this process's part.
+        timeout: seconds to wait for every process; defaults to
+            `CommunicationOptions.timeout_seconds` (300).
+        rule: what every process must do here, for the error's message.
+
     Raises:
         ClusterTimeoutError: if a process does not reach this exchange within
             `timeout` seconds.
+        ProcessMismatchError: at once, if a process that has not reached it
+            ended, or waits in another exchange this process has not reached.
     """
     if not multi_process():
         return [value]
@@ -78,20 +101,13 @@ def allgather(name: str, value: Any, *, timeout: float | None = None) -> list:
     prefix = f"keras_dist/{name}/{count}/"
     client = _client()
     client.key_value_set(prefix + str(jax.process_index()), json.dumps(value))
-    values = []
-    deadline = time.monotonic() + timeout
-    for process in range(jax.process_count()):
-        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            raw = client.blocking_key_value_get(prefix + str(process), left_ms)
-        except Exception as error:  # JAX raises its own XlaRuntimeError here.
-            raise ClusterTimeoutError(
-                f"Process {process} did not reach `{name}` within {timeout:g} s "
-                f"(this is process {jax.process_index()} of {jax.process_count()}): "
-                f"{str(error)[:200]}. Every process must run the same program; "
-                "check the log of that process (it may have failed or be stuck)."
-            ) from error
-        values.append(json.loads(raw))
+    wait = _Wait(client, name, count, timeout, rule)
+    try:
+        values = [
+            json.loads(wait.get(process)) for process in range(jax.process_count())
+        ]
+    finally:
+        wait.done()
     # Everyone has read the previous exchange of this name (they wrote this one
     # after reading it): drop our key of it, so the store does not grow.
     if count > 1:
@@ -100,6 +116,100 @@ def allgather(name: str, value: Any, *, timeout: float | None = None) -> list:
                 f"keras_dist/{name}/{count - 1}/{jax.process_index()}"
             )
     return values
+
+
+class _Wait:
+    """One process's wait in exchange `name` #`count`, in slices."""
+
+    def __init__(self, client, name: str, count: int, timeout: float, rule: str):
+        self.client, self.name, self.count, self.rule = client, name, count, rule
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.me = jax.process_index()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.said_where = False
+
+    def get(self, process: int) -> str:
+        key = f"keras_dist/{self.name}/{self.count}/{process}"
+        while True:
+            left_ms = int((self.deadline - time.monotonic()) * 1000)
+            try:
+                return self.client.blocking_key_value_get(
+                    key, max(1, min(left_ms, _SLICE_MS))
+                )
+            except Exception as error:  # JAX raises its own XlaRuntimeError.
+                if left_ms <= _SLICE_MS:
+                    raise self._timed_out(process, error) from error
+            self._say_where()
+            self._check_absent()
+
+    def _say_where(self) -> None:
+        if self.main and not self.said_where:
+            self.said_where = True
+            self.client.key_value_set(
+                f"keras_dist/at/{self.me}", f"{self.name}/{self.count}"
+            )
+
+    def done(self) -> None:
+        if self.said_where:
+            with contextlib.suppress(Exception):
+                self.client.key_value_delete(f"keras_dist/at/{self.me}")
+
+    def _check_absent(self) -> None:
+        """Raises if a process that has not arrived never will."""
+        absent = {}
+        for process in range(jax.process_count()):
+            if _try_get(self.client, f"keras_dist/{self.name}/{self.count}/{process}"):
+                continue
+            ended = _try_get(self.client, f"keras_dist/exited/{process}")
+            if ended is not None:
+                absent[process] = f"{ended} without reaching it"
+                continue
+            where = _try_get(self.client, f"keras_dist/at/{process}")
+            if self.main and where is not None and not self._reached(where):
+                absent[process] = f"waits at `{where.rsplit('/', 1)[0]}` instead"
+        if absent:
+            raise self._not_called(absent)
+
+    def _reached(self, where: str) -> bool:
+        """Whether this process has reached (or passed) the exchange `where`."""
+        name, _, count = where.rpartition("/")
+        return _COUNTERS.get(name, 0) >= int(count)
+
+    def _not_called(self, absent: dict) -> ProcessMismatchError:
+        found = "; ".join(f"process {p} {why}" for p, why in sorted(absent.items()))
+        return ProcessMismatchError(
+            f"Process {self.me} of {jax.process_count()} waits at `{self.name}`, "
+            f"which not every process reached: {found}. "
+            + (self.rule or "Every process must run the same program.")
+        )
+
+    def _timed_out(self, process: int, error: Exception) -> ClusterTimeoutError:
+        return ClusterTimeoutError(
+            f"Process {process} did not reach `{self.name}` within "
+            f"{self.timeout:g} s (this is process {self.me} of "
+            f"{jax.process_count()}): {str(error)[:200]}. Every process must run "
+            "the same program; check the log of that process (it may have failed "
+            "or be stuck). " + self.rule
+        ).with_traceback(None)
+
+
+def _try_get(client, key: str) -> str | None:
+    try:
+        return client.key_value_try_get(key)
+    except Exception:  # Not found: JAX raises its XlaRuntimeError.
+        return None
+
+
+def mark_exit(how: str) -> None:
+    """Tells the other processes this one has ended (`how`: "finished its
+    program", "failed"), so that their waits for it end at once."""
+    if not multi_process():
+        return
+    client = _jax_private.coordination_client()
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.key_value_set(f"keras_dist/exited/{jax.process_index()}", how)
 
 
 def broadcast_from_chief(name: str, value: Any, *, timeout: float | None = None):
