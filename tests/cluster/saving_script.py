@@ -47,7 +47,9 @@ def state(m) -> list:
 
 
 def same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(np.array_equal(p, q) for p, q in zip(a, b))
+    return len(a) == len(b) and all(
+        np.array_equal(p, q) for p, q in zip(a, b, strict=True)
+    )
 
 
 def saved_everywhere() -> dict:
@@ -106,11 +108,11 @@ elif strategy.is_chief:
             model.save(os.path.join(workdir, "chief.keras"))
         else:
             model.predict(x, batch_size=8, verbose=0)
-    except Exception as error:  # noqa: BLE001 - reported to the test.
+    except Exception as error:  # Reported to the test.
         print(
             f"chief: {type(error).__name__} after {time.monotonic() - start:.0f} s: "
             f"{error}",
             flush=True,
         )
-        raise SystemExit(3)
+        raise SystemExit(3) from error
     print("chief: no error", flush=True)
