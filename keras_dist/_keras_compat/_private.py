@@ -202,6 +202,11 @@ TF_PRIVATE_ATTRIBUTES: tuple = (
 # order (a prefix for JAX's `jit`, whose later options keras_dist passes on).
 SIGNATURES: dict[str, tuple] = {
     "jit": ("fun",),
+    # The save functions (`_save_calls`) bind their arguments by name.
+    "Model.save": ("self", "filepath", "overwrite", "zipped", "kwargs"),
+    "Model.save_weights": ("self", "filepath", "overwrite", "max_shard_size"),
+    "save_model": ("model", "filepath", "overwrite", "zipped", "kwargs"),
+    "save_weights": ("model", "filepath", "overwrite", "max_shard_size", "kwargs"),
     # Keras 3.15, then the nightly (its super-batches of `steps_per_execution`).
     "_distribute_data": (("data", "layouts"), ("data", "layouts", "is_super_batch")),
     # The nightly's `_get_iterator` (`_releases.MOVED`) takes no distribution.

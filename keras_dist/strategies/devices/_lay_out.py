@@ -72,9 +72,9 @@ def _from_pieces(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array
     )
 
 
-def _whole(index: tuple, shape: tuple) -> bool:
+def _whole(index: Any, shape: tuple) -> bool:
     """Whether the slices of `index` take all of every dimension."""
-    return all(
+    return index is not None and all(
         isinstance(part, slice) and part.indices(size) == (0, size, 1)
         for part, size in zip(index, shape, strict=False)
     )
