@@ -805,3 +805,34 @@ def test_other_input_kinds_on_a_2d_mesh(kind):
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
     for got, expected in zip(weights, want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=1e-5)
+
+
+class _DeviceOfProcess:
+    """A device of another process, as a cluster's mesh lists it (this box
+    has one process): only what the mesh's check reads."""
+
+    def __init__(self, id: int, process_index: int):
+        self.id, self.process_index = id, process_index
+
+
+@pytest.mark.parametrize(
+    "per_process, fix",
+    [
+        (
+            1,
+            r"1 device per process\. Start one process per host with all its "
+            r"devices .*--devices-per-process 2.*, or use model_parallel=1\.",
+        ),
+        (3, r"3 devices per process\. Use a divisor of 3\."),
+    ],
+)
+def test_a_model_axis_across_hosts_is_refused_with_the_fix(per_process, fix):
+    """2 processes of one device each (most GPU clusters): the model axis
+    would cross the hosts."""
+    from keras_dist.strategies.devices._mesh import build_device_mesh
+
+    devices = [_DeviceOfProcess(i, i // per_process) for i in range(2 * per_process)]
+    with pytest.raises(
+        ValueError, match=r"the model axis has to stay inside a host.*" + fix
+    ):
+        build_device_mesh(devices, model_parallel=2)

@@ -106,11 +106,19 @@ def build_device_mesh(
         by_process[device.process_index] = by_process.get(device.process_index, 0) + 1
     local = min(by_process.values())
     if len(by_process) > 1 and any(n % model_parallel for n in by_process.values()):
+        fix = (
+            f"Use a divisor of {local}."
+            if local > 1
+            else "Start one process per host with all its devices (e.g. "
+            "`srun --ntasks-per-node=1`, `keras-dist-run --devices-per-process "
+            f"{model_parallel}`), or use model_parallel=1."
+        )
         raise ValueError(
-            "`model_parallel` must divide each process's devices, so that a "
-            "replica's devices share a host (the model axis runs collectives "
-            f"every layer). Received: model_parallel={model_parallel} with "
-            f"{local} devices per process. Use a divisor of {local}."
+            "`model_parallel` must divide each process's devices: the model "
+            "axis has to stay inside a host, where a replica's devices share "
+            "fast links (it runs collectives every layer). Received: "
+            f"model_parallel={model_parallel} with {local} device"
+            f"{'s' if local > 1 else ''} per process. {fix}"
         )
     grid = np.array(devices, dtype=object).reshape(
         count // model_parallel, model_parallel
