@@ -38,7 +38,7 @@ from keras_dist._keras_compat._saving import snapshot, write_snapshot
 from keras_dist.cluster import _sync
 from keras_dist.errors import CheckpointWriteError
 
-__all__ = ["save_once"]
+__all__ = ["save_once", "written_everywhere"]
 
 _SINGLE_FILES = (".weights.h5", ".keras", ".h5", ".hdf5")
 
@@ -98,14 +98,33 @@ def save_once(
                 save(os.path.join(scratch, os.path.basename(path) or "file"))
     except BaseException as failure:
         error = failure
-    outcome = None if error is None else f"{type(error).__name__}: {error}"[:500]
-    outcomes = _sync.allgather("save-done", outcome, rule=rule)
+    written_everywhere(error, what=f"{path!r} for `{method}`", rule=rule)
+
+
+def written_everywhere(
+    error: BaseException | None, *, what: str, rule: str = ""
+) -> None:
+    """Every process returns once the chief's files are complete: raises
+    `error` (this process's), or on the others the chief's.
+
+    Every process calls it after its part of a save (`error`: what that
+    part raised, or None).
+
+    Raises:
+        CheckpointWriteError: on a process other than the chief, if the
+            chief's part failed (its error).
+    """
+    if jax.process_count() > 1:
+        outcome = None if error is None else f"{type(error).__name__}: {error}"[:500]
+        outcomes = _sync.allgather("save-done", outcome, rule=rule)
+    else:
+        outcomes = [None]
     if error is not None:
         raise error
     if outcomes[0] is not None:
         raise CheckpointWriteError(
-            f"The chief (process 0) could not write {path!r} for `{method}`: "
-            f"{outcomes[0]}. Nothing was written; see the chief's log."
+            f"The chief (process 0) could not write {what}: {outcomes[0]}. "
+            "See the chief's log."
         )
 
 

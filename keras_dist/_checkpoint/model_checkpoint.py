@@ -18,7 +18,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.keras_files import save_once
+from keras_dist._checkpoint.keras_files import save_once, written_everywhere
 from keras_dist._checkpoint.lookup import STATE_FILE, SUFFIXES
 from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS, OrbaxStore
 from keras_dist._checkpoint.pipeline import (
@@ -268,9 +268,16 @@ class ModelCheckpoint(ModelCheckpointHooks):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         super().on_train_end(logs)
-        self._finish()
-        # The marker `kd.callbacks.SidecarEvaluator` stops on.
-        self._write_index(done=True)
+        error = None
+        try:
+            self._finish()
+            # The marker `kd.callbacks.SidecarEvaluator` stops on.
+            self._write_index(done=True)
+        except BaseException as failure:
+            error = failure
+        # `fit` returns on every process once the chief's files are there
+        # (the program may read them next: `latest_checkpoint`).
+        written_everywhere(error, what=f"the checkpoints in {self.directory!r}")
 
     def wait(self) -> None:
         """Waits until the save in flight is on disk.

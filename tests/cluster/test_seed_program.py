@@ -1,0 +1,112 @@
+"""The seeds' Keras program (`examples/keras_tutorial.py`) on
+`kd.MultiWorkerMirroredStrategy()`, the strategy line the only change.
+
+2 processes x 2 devices and 2 x 1 (one device a process): Keras's own
+`TensorBoard`, keras_dist's `ModelCheckpoint`, `LearningRateScheduler` and
+`PrintLR`, then `load_weights(latest_checkpoint)`, `model.save` and
+`load_model` on every process. With Keras's own `BackupAndRestore` added, a
+run whose process 1 is SIGKILLed resumes to the weights of one that was not.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
+STRATEGY = "strategy = kd.MirroredStrategy()"
+
+
+def program(folder: pathlib.Path, *, backup: bool = False) -> pathlib.Path:
+    """The tutorial with its strategy line changed; with `backup`, Keras's
+    `BackupAndRestore` added (and, for the test, a seed and the callback
+    that kills process `KD_KILL_RANK`)."""
+    text = (ROOT / "examples" / "keras_tutorial.py").read_text()
+    assert text.count(STRATEGY) == 1
+    text = text.replace(STRATEGY, "strategy = kd.MultiWorkerMirroredStrategy()")
+    if backup:
+        text = text.replace(
+            "import keras_dist as kd\n",
+            "import keras_dist as kd\nfrom tests.cluster._kill import kill_at_epoch\n"
+            "keras.utils.set_random_seed(7)\n",
+        )
+        assert text.count("callbacks = [\n") == 1
+        text = text.replace(
+            "callbacks = [\n",
+            'callbacks = [\n    keras.callbacks.BackupAndRestore("./backup"),\n'
+            "    *kill_at_epoch(),\n",
+        )
+    path = folder / "keras_tutorial_multi_worker.py"
+    path.write_text(text)
+    return path
+
+
+def run(script, workdir, *, devices: int, env=None, timeout=400):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ.update(env or {}, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
+    command += ["--devices-per-process", str(devices), str(script)]
+    command += ["--mock", "--epochs", "5", "--workdir", str(workdir)]
+    return subprocess.run(
+        command, env=environ, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("devices", [2, 1])
+def test_the_seed_program_runs_on_several_processes(tmp_path, devices):
+    result = run(program(tmp_path), tmp_path / "run", devices=devices)
+    out = result.stdout
+    assert result.returncode == 0, out[-2000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"[{rank}] Number of devices: {2 * devices}" in out
+        # fit returned once the chief's checkpoints were all there.
+        files = [f"ckpt_{e}.weights.h5" for e in range(1, 6)]
+        assert f"[{rank}] {sorted(['checkpoint', *files])}" in out
+    for epoch, rate in [(1, "0.001"), (3, "0.001"), (4, "1e-04"), (5, "1e-04")]:
+        assert f"[0] Learning rate for epoch {epoch} is {rate}" in out
+    evals = re.findall(r"^\[\d\] Eval loss: ([\d.]+), Eval [Aa]ccuracy", out, re.M)
+    assert len(evals) == 6  # Checkpoint, loaded without and with the scope; x 2.
+    np.testing.assert_allclose([float(e) for e in evals], float(evals[0]), rtol=1e-5)
+    # The chief writes: one set of files, one TensorBoard run.
+    names = sorted(os.listdir(tmp_path / "run" / "training_checkpoints"))
+    assert names == sorted(["checkpoint", *files])
+    assert (tmp_path / "run" / "my_model.keras").is_file()
+
+
+def _weights(path) -> list:
+    found: list = []
+    with h5py.File(path) as f:
+        f.visititems(
+            lambda _, o: found.append(o[()]) if isinstance(o, h5py.Dataset) else None
+        )
+    return found
+
+
+def test_a_killed_run_resumes_from_keras_backup_and_restore(tmp_path):
+    script = program(tmp_path, backup=True)
+    reference = run(script, tmp_path / "reference", devices=2)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    workdir = tmp_path / "killed"
+    env = {"KD_KILL_RANK": "1", "KD_KILL_EPOCH": "2"}
+    first = run(script, workdir, devices=2, env=env)
+    assert first.returncode == 137, first.stdout[-2000:] + first.stderr[-3000:]
+    assert "process 1 was killed by SIGKILL" in first.stderr
+    assert (workdir / "killed").read_text() == "2"
+    assert not (workdir / "my_model.keras").exists()
+    second = run(script, workdir, devices=2, env=env)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    # Keras's BackupAndRestore resumes after the 2 epochs backed up.
+    assert "[0] Epoch 1/5" not in second.stdout
+    assert "[0] Epoch 3/5" in second.stdout
+    final = "training_checkpoints/ckpt_5.weights.h5"
+    expected = _weights(tmp_path / "reference" / final)
+    got = _weights(workdir / final)
+    assert len(got) == len(expected)
+    for e, g in zip(expected, got, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
