@@ -57,6 +57,31 @@ _FOLLOWED_CALLBACKS = (
     keras.callbacks.ModelCheckpoint,
     keras.callbacks.BackupAndRestore,
 )
+# Keras's callbacks that write no files, or whose library coordinates every
+# process itself (`OrbaxCheckpoint`): every process runs them as they are.
+_EVERY_PROCESS_CALLBACKS = (
+    keras.callbacks.EarlyStopping,
+    keras.callbacks.History,
+    keras.callbacks.LambdaCallback,
+    keras.callbacks.LearningRateScheduler,
+    keras.callbacks.OrbaxCheckpoint,
+    keras.callbacks.ReduceLROnPlateau,
+    keras.callbacks.SwapEMAWeights,
+    keras.callbacks.TerminateOnNaN,
+)
+
+
+def rule_of(kind: type) -> str | None:
+    """How a Keras callback class runs with several processes: `"chief"`
+    (only the chief runs it), `"follower"` (the others follow the chief's
+    saves, `_follower`) or `"every"`; None for a class no rule names."""
+    if issubclass(kind, _CHIEF_ONLY_CALLBACKS):
+        return "chief"
+    if issubclass(kind, _FOLLOWED_CALLBACKS):
+        return "follower"
+    if issubclass(kind, _EVERY_PROCESS_CALLBACKS):
+        return "every"
+    return None
 
 
 def _shape(value):

@@ -96,9 +96,18 @@ def fit_with_keras_callbacks() -> list:
     return history.history["loss"]
 
 
+def fit_with_orbax_checkpoint() -> list:
+    """Keras's `OrbaxCheckpoint` (Orbax coordinates every process itself)."""
+    folder = os.path.join(workdir, "orbax")
+    callback = keras.callbacks.OrbaxCheckpoint(folder, save_freq="epoch")
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[callback])
+    return sorted(os.listdir(folder))
+
+
 start = time.monotonic()
 if mode == "every":
     result = {"saved": saved_everywhere(), "loss": fit_with_keras_callbacks()}
+    result["orbax"] = fit_with_orbax_checkpoint()
     result["weights"] = [w.tolist() for w in model.get_weights()]
     with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -58,6 +58,10 @@ def test_every_process_saves_once_and_finds_the_file_complete(
         # equal to the model (weights and optimizer state).
         assert got["saved"] == {key: [True] * 3 for key in first["saved"]}
     assert first["loss"] == second["loss"] and len(first["loss"]) == 3
+    # Keras's OrbaxCheckpoint: every process takes part, Orbax commits.
+    assert first["orbax"] == second["orbax"] != []
+    for step in first["orbax"]:
+        assert (tmp_path / "orbax" / step / "commit_success.txt").is_file()
     assert first["weights"] == second["weights"]
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
@@ -66,6 +70,7 @@ def test_every_process_saves_once_and_finds_the_file_complete(
         "final_save_model.keras",
         "keras_backup",
         "keras_ckpt",
+        "orbax",
         "result_0.json",
         "result_1.json",
     ]
