@@ -63,7 +63,11 @@ from keras_dist._keras_compat._wrapped import marked
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._any_shape import fit_layout
 from keras_dist.strategies.devices._lay_out import lay_out, needs_pieces
-from keras_dist.strategies.state._ownership import is_strategy, strategy_of_variable
+from keras_dist.strategies.state._ownership import (
+    is_strategy,
+    newest_strategy_on,
+    strategy_of_variable,
+)
 from keras_dist.strategies.state._split_values import (
     compute_split,
     fill_split,
@@ -353,17 +357,21 @@ def distribute_tensor(original: Callable) -> Callable:
     """
 
     def wrapper(tensor: Any, layout: Any) -> Any:
-        if not isinstance(keras.distribution.distribution(), Strategy):
-            return original(tensor, layout)
+        current = isinstance(keras.distribution.distribution(), Strategy)
         if (
-            isinstance(layout, keras.distribution.TensorLayout)
+            current
+            and isinstance(layout, keras.distribution.TensorLayout)
             and layout.device_mesh is not None
         ):
             shape = np.shape(tensor)
             if not _fits(layout, shape):
                 layout = fit_layout(layout, shape)
         sharding = getattr(layout, "backend_layout", layout)
-        if needs_pieces(tensor, sharding):
+        # (A strategy's layout outside its scope too: an optimizer built
+        # after the scope was left gets its slots laid out by the strategy.)
+        if needs_pieces(tensor, sharding) and (
+            current or newest_strategy_on(getattr(sharding, "mesh", None)) is not None
+        ):
             return lay_out(tensor, sharding)
         return original(tensor, layout)
 
