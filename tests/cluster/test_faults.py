@@ -66,16 +66,18 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
 # The endless inputs ("repeat", "generator") are replayed by the same code
 # with one process (tests/callbacks/test_backup_and_restore.py, killed and
 # restarted too); here the input Keras keeps across epochs, on 2 processes.
+# 2 x 4, and 2 x 1: one device a process, as most GPU clusters run.
+@pytest.mark.parametrize("devices", [4, 1])
 @pytest.mark.parametrize("kind", ["finite-spe"])
-def test_a_restart_with_steps_per_epoch_resumes_exactly(tmp_path, kind):
+def test_a_restart_with_steps_per_epoch_resumes_exactly(tmp_path, kind, devices):
     """Rank 1 is killed mid-epoch 2 (step 7 of 5-step epochs; with
     "finite-spe" mid-epoch 3, in the dataset's second pass); the restart
     replays by steps (never waiting for the end of an endless input) and ends
     with the weights of an uninterrupted one-device run."""
     env = {"KD_KILL_RANK": "1", "KD_KILL_AT": "7", "KD_INPUT": kind}
-    first = launch(HERE / "fault_script.py", tmp_path, env=env)
+    first = launch(HERE / "fault_script.py", tmp_path, env=env, devices=devices)
     assert first.returncode == 137, first.stderr[-3000:]
-    second = launch(HERE / "fault_script.py", tmp_path, env=env)
+    second = launch(HERE / "fault_script.py", tmp_path, env=env, devices=devices)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "[0] BackupAndRestore: resuming at epoch" in second.stdout
     expected = _workload.backup_run(

@@ -1,0 +1,115 @@
+"""The multi-host example with one device a process, as most GPU clusters run.
+
+`keras-dist-run -n 2 --devices-per-process 1` and `-n 4 --devices-per-process
+1` train `examples/multi_worker_digits.py` to the end, to the checkpoint of
+as many replicas in fewer processes (1 x 2, 2 x 2); and so do 2 processes
+started by hand with `TF_CONFIG`, as on real hosts.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from keras_dist.launch import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "multi_worker_digits.py"
+ARGS = ["--epochs", "2", "--seed", "3"]
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
+
+
+def _environ() -> dict:
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
+    }
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return environ
+
+
+def launched(n: int, devices: int, workdir: str) -> dict:
+    """The example's final checkpoint, arrays by name, under keras-dist-run."""
+    command = [sys.executable, "-m", "keras_dist_run", "-n", str(n)]
+    command += ["--devices-per-process", str(devices), str(EXAMPLE), *ARGS]
+    command += ["--workdir", workdir]
+    result = subprocess.run(
+        command,
+        env=_environ(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=str(ROOT / "examples"),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    for rank in range(n):
+        assert f"[{rank}] process {rank}: test accuracy" in result.stdout
+    return _checkpoint(workdir)
+
+
+def _checkpoint(workdir: str) -> dict:
+    found: dict = {}
+    path = pathlib.Path(workdir) / "checkpoints" / "ckpt_2.weights.h5"
+    with h5py.File(path) as f:
+        f.visititems(
+            lambda name, o: (
+                found.__setitem__(name, o[()]) if isinstance(o, h5py.Dataset) else None
+            )
+        )
+    return found
+
+
+def _assert_same(expected: dict, got: dict) -> None:
+    assert sorted(got) == sorted(expected) and len(got) == 20
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "one_device, fewer", [((2, 1), (1, 2)), ((4, 1), (2, 2))], ids=["2x1", "4x1"]
+)
+def test_one_device_a_process_trains_as_many_replicas_in_fewer_processes(
+    tmp_path, one_device, fewer
+):
+    got = launched(*one_device, str(tmp_path / "one_device"))
+    expected = launched(*fewer, str(tmp_path / "fewer"))
+    _assert_same(expected, got)
+
+
+def test_tf_config_on_one_device_a_process_trains_as_the_launcher(tmp_path):
+    """2 processes started by hand, each with its TF_CONFIG, one CPU device."""
+    port = free_port()
+    workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]
+    workdir = tmp_path / "tf_config"
+    processes = []
+    for index in (0, 1):
+        environ = _environ()
+        environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        environ["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(EXAMPLE), *ARGS, "--workdir", str(workdir)],
+                env=environ,
+                cwd=str(ROOT / "examples"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=400) for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    for p, (out, err) in zip(processes, outputs, strict=True):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    assert "num_processes=2" in outputs[0][0]
+    _assert_same(launched(2, 1, str(tmp_path / "launcher")), _checkpoint(str(workdir)))
