@@ -369,8 +369,10 @@ def distribute_tensor(original: Callable) -> Callable:
         sharding = getattr(layout, "backend_layout", layout)
         # (A strategy's layout outside its scope too: an optimizer built
         # after the scope was left gets its slots laid out by the strategy.)
-        if needs_pieces(tensor, sharding) and (
-            current or newest_strategy_on(getattr(sharding, "mesh", None)) is not None
+        if (
+            not getattr(sharding, "is_fully_addressable", True)  # Several processes.
+            and needs_pieces(tensor, sharding)
+            and (current or newest_strategy_on(getattr(sharding, "mesh", None)))
         ):
             return lay_out(tensor, sharding)
         return original(tensor, layout)

@@ -107,8 +107,9 @@ def fit_with_orbax_checkpoint() -> list:
 start = time.monotonic()
 if mode == "every":
     result = {"saved": saved_everywhere(), "loss": fit_with_keras_callbacks()}
-    result["orbax"] = fit_with_orbax_checkpoint()
+    # The weights the last epoch's checkpoint holds.
     result["weights"] = [w.tolist() for w in model.get_weights()]
+    result["orbax"] = fit_with_orbax_checkpoint()
     with open(os.path.join(workdir, f"result_{rank}.json"), "w") as f:
         json.dump(result, f)
 elif strategy.is_chief:
