@@ -1,7 +1,14 @@
 """`keras-dist-run`: start N local processes as one JAX cluster.
 
     keras-dist-run -n 2 [--devices-per-process 4] [--evaluator] train.py --epochs 3
+    keras-dist-run -n 2 -m package.train --epochs 3
+    keras-dist-run -n 2 python -c "import keras_dist as kd; kd.cluster.initialize()"
     python -m keras_dist_run -n 2 train.py
+
+The command is a Python script, a module (`-m`, as `python -m`), or any
+executable on PATH (`python ...`, a console script; `--no-python` makes
+even a file run as an executable), as torchrun starts them; its arguments
+follow it.
 
 Each process gets `KERAS_DIST_COORDINATOR` (a free loopback port),
 `KERAS_DIST_NUM_PROCESSES` and `KERAS_DIST_PROCESS_ID`, which
@@ -11,7 +18,9 @@ preemption: the processes get `--preemption-grace` seconds to back up and
 exit, then SIGKILL; the launcher exits with 128 + the signal). If a process
 exits with a non-zero status, the others are stopped (SIGTERM, then SIGKILL
 after 10 s: JAX ignores SIGTERM once it joined a cluster) and the launcher
-exits with that status — within 30 s, never hanging.
+exits with that status — within 30 s, never hanging. Gloo's connection
+lines (`[Gloo] Rank 0 is connected to 1 peer ranks...`), which say nothing a
+user can act on, are dropped unless `--verbose`.
 
 `--evaluator` starts one more process beside the workers, outside the JAX
 cluster: it gets no `KERAS_DIST_*` variables but a `TF_CONFIG` whose task is
@@ -27,6 +36,8 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -68,6 +79,10 @@ def free_port() -> int:
 _EXAMPLES = """examples:
   keras-dist-run -n 2 train.py --epochs 3
       2 processes of train.py (its arguments after the script's name)
+  keras-dist-run -n 2 -m package.train --epochs 3
+      2 processes of `python -m package.train`
+  keras-dist-run -n 2 python -c "import keras_dist as kd; kd.cluster.initialize()"
+      any command on PATH (`python`, a console script)
   keras-dist-run -n 2 --devices-per-process 4 train.py
       each process sees 4 virtual CPU devices (8 in the cluster): try a
       multi-host program on a laptop
@@ -184,13 +199,54 @@ def _parser() -> argparse.ArgumentParser:
         help="also start one evaluator process (TF_CONFIG task 'evaluator', "
         "outside the JAX cluster), e.g. for kd.callbacks.SidecarEvaluator",
     )
-    parser.add_argument("script", help="the Python script to run in every process")
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="the command is a Python module, run as `python -m MODULE`",
+    )
+    parser.add_argument(
+        "--no-python",
+        action="store_true",
+        help="run the command as an executable, not with Python (a command "
+        "that is no file, e.g. `python` or a console script, runs so anyway)",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also relay the collectives' connection lines ([Gloo] ...)",
+    )
+    parser.add_argument(
+        "script",
+        metavar="command",
+        help="the Python script (or, with -m, module; or executable) to run in "
+        "every process",
+    )
     parser.add_argument(
         "args",
         nargs=argparse.REMAINDER,
-        help="arguments passed to the script (everything after its name)",
+        help="arguments passed to the command (everything after its name)",
     )
     return parser
+
+
+def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
+    """What every process runs: `python script`, `python -m module`, or an
+    executable."""
+    if args.module:
+        return [sys.executable, "-m", args.script, *args.args]
+    is_file = os.path.isfile(args.script)
+    script = args.script.endswith(".py") or not os.access(args.script, os.X_OK)
+    if is_file and script and not args.no_python:
+        return [sys.executable, args.script, *args.args]
+    executable = args.script if is_file else shutil.which(args.script)
+    if executable is None:
+        parser.error(
+            f"command not found: {args.script!r} is neither a file nor on PATH. "
+            "Give a Python script (train.py), a module with -m (-m package.train), "
+            "or an executable (python -c ..., a console script)."
+        )
+    return [executable, *args.args]
 
 
 def _environment(rank: int | None, n: int, port: int, devices: int | None) -> dict:
@@ -228,10 +284,15 @@ def _environment(rank: int | None, n: int, port: int, devices: int | None) -> di
     return env
 
 
-def _pump(rank: "int | str", stream: IO[str], sink: IO[str]) -> None:
+# Gloo's report of each connection it makes (a line per peer and context).
+_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
+def _pump(rank: "int | str", stream: IO[str], sink: IO[str], verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        sink.write(f"[{rank}] {line}")
-        sink.flush()
+        if verbose or not _CHATTER.match(line):
+            sink.write(f"[{rank}] {line}")
+            sink.flush()
     stream.close()
 
 
@@ -239,7 +300,7 @@ class _Cluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n = args.num_processes
         port = args.port or free_port()
-        command = [sys.executable, args.script, *args.args]
+        command = args.command
         self.processes: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
         ranks = [*range(self.n), *([None] if args.evaluator else [])]
@@ -259,7 +320,7 @@ class _Cluster:
                 (process.stderr, sys.stderr),
             ):
                 pump = threading.Thread(
-                    target=_pump, args=(label, stream, sink), daemon=True
+                    target=_pump, args=(label, stream, sink, args.verbose), daemon=True
                 )
                 pump.start()
                 self.pumps.append(pump)
@@ -349,8 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    if not os.path.exists(args.script):
-        parser.error(f"script not found: {args.script!r}.")
+    args.command = _command(args, parser)
     cluster = _Cluster(args)
 
     def forward(signum: int, frame: FrameType | None) -> None:

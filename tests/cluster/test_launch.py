@@ -44,6 +44,47 @@ def test_two_processes_form_one_cluster():
         "[1] rank 1 of 2: 8 devices, sum 12, chief False, source keras-dist-run" in out
     )
     assert "[0] keras_dist: joining as process 0 of 2" in result.stderr
+    # Gloo's connection lines are dropped (--verbose relays them).
+    assert "[Gloo]" not in result.stdout + result.stderr
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+JOIN = (
+    "import keras_dist as kd; s = kd.MultiWorkerMirroredStrategy(); "
+    "print('joined', s.process_id, 'of', s.num_processes)"
+)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["python", "-c", JOIN],  # Any executable on PATH, arguments passed on.
+        ["--no-python", sys.executable, "-c", JOIN],
+        ["-m", "tests.cluster.psum_script"],  # A module, as `python -m`.
+    ],
+    ids=["python -c", "--no-python", "-m"],
+)
+def test_the_launcher_runs_any_command(command):
+    # `python` is the one running the tests (its folder first on PATH).
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ.update(TF_CPP_MIN_LOG_LEVEL="3", PATH=path)
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_dist_run", "-n", "2", "--verbose", *command],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    if command[0] == "-m":
+        assert "[1] rank 1 of 2:" in result.stdout
+        # --verbose relays Gloo's connection lines (the psum connects).
+        assert "] [Gloo] Rank " in result.stdout + result.stderr
+    else:
+        for rank in (0, 1):
+            assert f"[{rank}] joined {rank} of 2" in result.stdout
 
 
 def test_a_failing_process_stops_the_others_quickly():
@@ -116,7 +157,8 @@ def test_launcher_bad_arguments(tmp_path):
     assert result.returncode == 2
     assert "argument -n/--num-processes: must be >= 1. Received: 0" in result.stderr
     result, _ = _launch("-n", "2", str(tmp_path / "missing.py"))
-    assert result.returncode == 2 and "script not found" in result.stderr
+    assert result.returncode == 2
+    assert "is neither a file nor on PATH. Give a Python script" in result.stderr
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
