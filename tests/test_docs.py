@@ -18,7 +18,13 @@ TIMEOUT = 300
 
 
 def _run(args, env_extra=None):
-    """Runs Python in a fresh process, without the tests' XLA_FLAGS/backend."""
+    """Runs Python in a fresh process, without the tests' XLA_FLAGS/backend;
+    its stdout."""
+    return _run_with_stderr(args, env_extra)[0]
+
+
+def _run_with_stderr(args, env_extra=None) -> tuple[str, str]:
+    """`_run`'s stdout, and its stderr."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")
     }
@@ -33,7 +39,17 @@ def _run(args, env_extra=None):
         env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    return result.stdout, result.stderr
+
+
+def assert_quiet(stderr: str) -> None:
+    """No line another library prints that a user can do nothing about."""
+    noise = [
+        line
+        for line in stderr.splitlines()
+        if "WARNING:absl" in line or "[Gloo]" in line
+    ]
+    assert noise == [], noise[:5]
 
 
 def _python_blocks(path: pathlib.Path) -> list[str]:
@@ -102,7 +118,8 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
         "examples/multi_worker_digits.py --epochs 3"
     )
     args = [*command.split()[1:], "--epochs", "1", "--workdir", str(tmp_path)]
-    out = _run(["-m", "keras_dist_run", *args])
+    out, err = _run_with_stderr(["-m", "keras_dist_run", *args])
+    assert_quiet(out + err)  # The launcher's default output.
     # The chief prints the progress (11 steps of 128) and PrintLR; nobody else.
     assert re.search(r"^\[0\] 11/11 - .* val_accuracy", out, re.M)
     assert "[0] Learning rate for epoch 1 is 0.003" in out

@@ -10,13 +10,13 @@ import re
 
 import pytest
 
-from tests.test_docs import ROOT, _run
+from tests.test_docs import ROOT, _run, _run_with_stderr, assert_quiet
 
 
 @pytest.mark.examples
 @pytest.mark.slow
 def test_demo_runs_and_matches_one_device(tmp_path):
-    out = _run(
+    out, err = _run_with_stderr(
         [
             "examples/digits_cnn.py",
             "--epochs",
@@ -27,6 +27,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
             str(tmp_path),
         ]
     )
+    assert_quiet(err)  # Orbax's backups and checkpoints say nothing.
     assert (
         "MirroredStrategy(devices=[cpu:0, cpu:1, ..., cpu:7], num_replicas_in_sync=8)"
         in out

@@ -109,11 +109,18 @@ class OrbaxStore:
         # Two stores saving at once in several processes (a backup and a
         # sharded checkpoint at the same step) each run Orbax's barriers from
         # their commit threads: Orbax's documented prefix keeps them apart.
-        context = ocp.Context(
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                barrier_sync_key_prefix=f"{owner}_{zlib.crc32(directory.encode())}_"
-            )
+        context = ocp.Context()  # Configured by attribute, as Orbax asks.
+        context.multiprocessing.barrier_sync_key_prefix = (
+            f"{owner}_{zlib.crc32(directory.encode())}_"
         )
+        # The record of paths (and a backup's meta) and Keras's model config
+        # are JSON: Orbax's JSON handler writes each as one file, where its
+        # array handler would run an OCDBT merge with no arrays to merge (and
+        # warn at every save).
+        registry = ocp.handlers.local_registry(include_global_registry=True)
+        for name in (ORDER, "model_config"):
+            registry.add(ocp.handlers.JsonHandler, checkpointable_name=name)
+        context.checkpointables.registry = registry
         saving = context.array.saving
         saving.use_compression = False
         saving.use_replica_parallel = jax.process_count() > 1
