@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -284,13 +283,35 @@ def _environment(rank: int | None, n: int, port: int, devices: int | None) -> di
     return env
 
 
-# Gloo's report of each connection it makes (a line per peer and context).
-_CHATTER = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Gloo's report of each connection it makes ("[Gloo] Rank 1 is connected to
+# 7 peer ranks. Expected number of connected peer ranks is : 7"), a line per
+# peer and context, written by several threads at once: lines arrive cut and
+# run together ("... connected to 7[Gloo] Rank 7 is ...", " peer ranks. ...").
+_GLOO_WORDS = [
+    "Rank",
+    "is",
+    "connected",
+    "to",
+    "peer",
+    "ranks.",
+    "Expected",
+    "number",
+    "of",
+    ":",
+]
+
+
+def _chatter(line: str) -> bool:
+    """Whether `line` holds only (pieces of) Gloo's connection reports."""
+    if "[Gloo]" not in line and "peer ranks" not in line:
+        return False
+    tokens = line.replace("[Gloo]", " ").split()
+    return all(t.isdigit() or any(t in word for word in _GLOO_WORDS) for t in tokens)
 
 
 def _pump(rank: "int | str", stream: IO[str], sink: IO[str], verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        if verbose or not _CHATTER.match(line):
+        if verbose or not _chatter(line):
             sink.write(f"[{rank}] {line}")
             sink.flush()
     stream.close()

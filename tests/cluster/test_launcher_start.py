@@ -50,3 +50,29 @@ def test_a_usage_error_exits_with_2_within_a_second(command):
         result.stderr
     )
     assert elapsed < 1.5, elapsed
+
+
+@pytest.mark.parametrize(
+    "line, chatter",
+    [
+        (
+            "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of "
+            "connected peer ranks is : 1\n",
+            True,
+        ),
+        # Written by several threads at once: cut and run together.
+        (
+            "[Gloo] Rank 6 is connected to 7[Gloo] Rank 7 is connected to 7 peer "
+            "ranks. Expected number of connected peer ranks is : 7\n",
+            True,
+        ),
+        (" peer ranks. Expected number of connected peer ranks is : 7\n", True),
+        ("Epoch 1/3\n", False),
+        ("my peer ranks are 3 and 4\n", False),
+        ("[Gloo] failed to connect to 127.0.0.1:1234\n", False),
+    ],
+)
+def test_only_gloos_connection_lines_are_dropped(line, chatter):
+    import keras_dist_run
+
+    assert keras_dist_run._chatter(line) is chatter
