@@ -139,3 +139,17 @@ class InterruptAt(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if int(np.asarray(self.model.optimizer.iterations.value)) == self.at:
             raise RuntimeError(f"interrupted at step {self.at}")
+
+
+def h5_datasets(path) -> dict:
+    """Every dataset of an HDF5 file (a `.weights.h5`), by its path in the file."""
+    import h5py
+
+    found: dict = {}
+    with h5py.File(path) as f:
+        f.visititems(
+            lambda name, o: (
+                found.__setitem__(name, o[()]) if isinstance(o, h5py.Dataset) else None
+            )
+        )
+    return found

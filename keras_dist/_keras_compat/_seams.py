@@ -167,6 +167,15 @@ ENTRY_POINTS = (
 )
 STEP_BUILDERS = ("make_train_function", "make_test_function", "make_predict_function")
 
+# Keras's save functions: (module, name, whether it saves weights only, how
+# a message names the call).
+SAVE_FUNCTIONS = (
+    ("keras", "Model.save", False, "model.save"),
+    ("keras", "Model.save_weights", True, "model.save_weights"),
+    ("keras.saving", "save_model", False, "keras.saving.save_model"),
+    ("keras.models", "save_model", False, "keras.models.save_model"),
+    ("keras.saving", "save_weights", True, "keras.saving.save_weights"),
+)
 _TRAINER = "keras.src.backend.jax.trainer"
 _CORE = "keras.src.backend.jax.core"
 _BASE_OPTIMIZER = "keras.src.optimizers.base_optimizer"
@@ -253,26 +262,9 @@ _SEAMS: tuple = (
     # public `keras.distribution.distribute_tensor` calls it by module).
     ("keras.src.backend.jax.distribution_lib", "distribute_tensor", distribute_tensor),
     # Public: saving a model or its weights (written once with several processes).
-    ("keras", "Model.save", saved_once(weights_only=False, method="model.save")),
-    (
-        "keras",
-        "Model.save_weights",
-        saved_once(weights_only=True, method="model.save_weights"),
-    ),
-    (
-        "keras.saving",
-        "save_model",
-        saved_once(weights_only=False, method="keras.saving.save_model"),
-    ),
-    (
-        "keras.models",
-        "save_model",
-        saved_once(weights_only=False, method="keras.models.save_model"),
-    ),
-    (
-        "keras.saving",
-        "save_weights",
-        saved_once(weights_only=True, method="keras.saving.save_weights"),
+    *(
+        (module, name, saved_once(weights_only=weights_only, method=method))
+        for module, name, weights_only, method in SAVE_FUNCTIONS
     ),
 )
 

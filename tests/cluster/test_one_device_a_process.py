@@ -12,11 +12,11 @@ import pathlib
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
 from keras_dist.launch import free_port
+from tests._helpers import h5_datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "multi_worker_digits.py"
@@ -54,15 +54,7 @@ def launched(n: int, devices: int, workdir: str) -> dict:
 
 
 def _checkpoint(workdir: str) -> dict:
-    found: dict = {}
-    path = pathlib.Path(workdir) / "checkpoints" / "ckpt_2.weights.h5"
-    with h5py.File(path) as f:
-        f.visititems(
-            lambda name, o: (
-                found.__setitem__(name, o[()]) if isinstance(o, h5py.Dataset) else None
-            )
-        )
-    return found
+    return h5_datasets(pathlib.Path(workdir) / "checkpoints" / "ckpt_2.weights.h5")
 
 
 def _assert_same(expected: dict, got: dict) -> None:

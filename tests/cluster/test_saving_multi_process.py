@@ -14,9 +14,10 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 import pytest
+
+from tests._helpers import h5_datasets
 
 HERE = pathlib.Path(__file__).parent
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -31,15 +32,6 @@ def launch(workdir, mode, strategy, *, devices, timeout=300):
     return subprocess.run(
         command, env=environ, capture_output=True, text=True, timeout=timeout
     )
-
-
-def _h5_arrays(path) -> list:
-    found: list = []
-    with h5py.File(path) as f:
-        f.visititems(
-            lambda _, o: found.append(o[()]) if isinstance(o, h5py.Dataset) else None
-        )
-    return found
 
 
 @pytest.mark.parametrize(
@@ -91,7 +83,8 @@ def test_every_process_saves_once_and_finds_the_file_complete(
     # The last epoch's weights file holds the final weights (and Keras's
     # optimizer state beside them).
     saved = {
-        a.tobytes() for a in _h5_arrays(tmp_path / "keras_ckpt" / "w_3.weights.h5")
+        a.tobytes()
+        for a in h5_datasets(tmp_path / "keras_ckpt" / "w_3.weights.h5").values()
     }
     assert all(w.tobytes() in saved for w in final)
 

@@ -77,13 +77,13 @@ def reference():
     return _workload.fit_run(strategy), _workload.custom_loop_run(strategy)
 
 
-def _split(shape):
-    """The part of a variable of `shape` on each of 8 devices."""
-    divisible = [i for i, d in enumerate(shape) if d % 8 == 0]
+def _split(shape, parts: int = 8):
+    """The part of a variable of `shape` on each of `parts` devices."""
+    divisible = [i for i, d in enumerate(shape) if d % parts == 0]
     if not divisible:
         return list(shape)
     axis = max(divisible, key=lambda i: (shape[i], -i))
-    return [d // 8 if i == axis else d for i, d in enumerate(shape)]
+    return [d // parts if i == axis else d for i, d in enumerate(shape)]
 
 
 @pytest.mark.parametrize("name", NAMES)

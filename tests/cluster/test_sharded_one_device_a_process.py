@@ -23,6 +23,7 @@ from tests.cluster.test_sharded_multi_process import (
     NAMES,
     _one_process_backup,
     _onto,
+    _split,
     reference,
 )
 from tests.cluster.test_sharded_multi_process import (
@@ -46,15 +47,6 @@ def cluster(tmp_path_factory):
     return workdir, results
 
 
-def _half(shape):
-    """The part of a variable of `shape` on each of 2 devices."""
-    divisible = [i for i, d in enumerate(shape) if d % 2 == 0]
-    if not divisible:
-        return list(shape)
-    axis = max(divisible, key=lambda i: (shape[i], -i))
-    return [d // 2 if i == axis else d for i, d in enumerate(shape)]
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_each_process_holds_its_half(cluster, name):
     _, results = cluster
@@ -64,7 +56,7 @@ def test_each_process_holds_its_half(cluster, name):
         split = 0
         for path, (shape, held) in got["parts"].items():
             is_slot = "_momentum" in path or "_velocity" in path
-            expected = shape if name == "zero1" and not is_slot else _half(shape)
+            expected = shape if name == "zero1" and not is_slot else _split(shape, 2)
             assert held == [expected], path
             split += expected != shape
         assert split == (10 if name == "zero1" else 17)
