@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -285,33 +286,32 @@ def _environment(rank: int | None, n: int, port: int, devices: int | None) -> di
 
 # Gloo's report of each connection it makes ("[Gloo] Rank 1 is connected to
 # 7 peer ranks. Expected number of connected peer ranks is : 7"), a line per
-# peer and context, written by several threads at once: lines arrive cut and
-# run together ("... connected to 7[Gloo] Rank 7 is ...", " peer ranks. ...").
-_GLOO_WORDS = [
-    "Rank",
-    "is",
-    "connected",
-    "to",
-    "peer",
-    "ranks.",
-    "Expected",
-    "number",
-    "of",
-    ":",
-]
+# peer and context, written piece by piece by several threads at once: the
+# pieces below and the counts arrive whole but interleaved, lines cut and run
+# together ("[Gloo] Rank 2Expected number of ... is :  is connected to 77"),
+# and a count can end up on a line of its own, after a line of pieces.
+_GLOO_PIECES = re.compile(
+    r"\[Gloo\] Rank | is connected to | peer ranks\. "
+    r"|Expected number of connected peer ranks is : "
+)
 
 
-def _chatter(line: str) -> bool:
-    """Whether `line` holds only (pieces of) Gloo's connection reports."""
-    if "[Gloo]" not in line and "peer ranks" not in line:
-        return False
-    tokens = line.replace("[Gloo]", " ").split()
-    return all(t.isdigit() or any(t in word for word in _GLOO_WORDS) for t in tokens)
+def _chatter(line: str, after_chatter: bool = False) -> bool:
+    """Whether `line` holds only pieces of Gloo's connection reports and
+    counts: at least one piece, or (`after_chatter`: the line before was
+    chatter) a count alone."""
+    rest, pieces = _GLOO_PIECES.subn("", line)
+    rest = "".join(rest.split())
+    if not pieces:
+        return after_chatter and rest.isdigit()
+    return rest == "" or rest.isdigit()
 
 
 def _pump(rank: "int | str", stream: IO[str], sink: IO[str], verbose: bool) -> None:
+    after_chatter = False
     for line in iter(stream.readline, ""):
-        if verbose or not _chatter(line):
+        after_chatter = not verbose and _chatter(line, after_chatter)
+        if not after_chatter:
             sink.write(f"[{rank}] {line}")
             sink.flush()
     stream.close()

@@ -143,8 +143,7 @@ results = {
     "eager_predict": eager_predict(),
     "shuffled": shuffled_fit(),
 }
-if jax.process_count() == 2:  # (4 x 1: the same layout code, less time.)
-    results["generate"] = keras_hub_generate()
+results["generate"] = keras_hub_generate()
 if full:
     results["file"] = file_sharded_ids()
     results["from_function"] = from_function_ids()

@@ -34,8 +34,22 @@ def _environ() -> dict:
     return environ
 
 
-def launched(n: int, devices: int, workdir: str) -> dict:
-    """The example's final checkpoint, arrays by name, under keras-dist-run."""
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`launched(n, devices)`: the example's final checkpoint under
+    keras-dist-run, arrays by name; each layout run once for the module."""
+    runs: dict = {}
+
+    def run(n: int, devices: int) -> dict:
+        if (n, devices) not in runs:
+            workdir = tmp_path_factory.mktemp(f"launched_{n}x{devices}")
+            runs[n, devices] = _launch(n, devices, str(workdir))
+        return runs[n, devices]
+
+    return run
+
+
+def _launch(n: int, devices: int, workdir: str) -> dict:
     command = [sys.executable, "-m", "keras_dist_run", "-n", str(n)]
     command += ["--devices-per-process", str(devices), str(EXAMPLE), *ARGS]
     command += ["--workdir", workdir]
@@ -67,14 +81,12 @@ def _assert_same(expected: dict, got: dict) -> None:
     "one_device, fewer", [((2, 1), (1, 2)), ((4, 1), (2, 2))], ids=["2x1", "4x1"]
 )
 def test_one_device_a_process_trains_as_many_replicas_in_fewer_processes(
-    tmp_path, one_device, fewer
+    launched, one_device, fewer
 ):
-    got = launched(*one_device, str(tmp_path / "one_device"))
-    expected = launched(*fewer, str(tmp_path / "fewer"))
-    _assert_same(expected, got)
+    _assert_same(launched(*fewer), launched(*one_device))
 
 
-def test_tf_config_on_one_device_a_process_trains_as_the_launcher(tmp_path):
+def test_tf_config_on_one_device_a_process_trains_as_the_launcher(launched, tmp_path):
     """2 processes started by hand, each with its TF_CONFIG, one CPU device."""
     port = free_port()
     workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]
@@ -104,4 +116,4 @@ def test_tf_config_on_one_device_a_process_trains_as_the_launcher(tmp_path):
     for p, (out, err) in zip(processes, outputs, strict=True):
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     assert "num_processes=2" in outputs[0][0]
-    _assert_same(launched(2, 1, str(tmp_path / "launcher")), _checkpoint(str(workdir)))
+    _assert_same(launched(2, 1), _checkpoint(str(workdir)))
