@@ -77,8 +77,8 @@ def _header(payload: dict) -> list:
             "Runs that crashed twice, left out of their row's median and "
             "min-max: " + ", ".join(failed) + "."
         )
-    if payload["repeats"] < 5:
-        out.append(f"Only {payload['repeats']} runs per configuration: indicative.")
+    if payload.get("indicative"):
+        out.append(f"Indicative only, not figures to quote: {payload['indicative']}.")
     return [*out, ""]
 
 

@@ -76,6 +76,39 @@ def test_ci_runs_the_readme_test_command():
     assert test_command.endswith("python -m pytest")
 
 
+def _figures(text: str) -> list[str]:
+    """The figures with a unit (ms, MB) in `text`, as written."""
+    return re.findall(r"(\d+(?:\.\d+)?) ?(?:ms|MB)\b", text)
+
+
+def _quotable_results() -> list[float]:
+    """Every number in benchmarks/results/ tables not marked indicative."""
+    numbers = []
+    for path in (ROOT / "benchmarks" / "results").rglob("*.md"):
+        text = path.read_text()
+        if "indicative" not in text.lower():
+            numbers += [float(n) for n in re.findall(r"\d+\.\d+|\d+", text)]
+    return numbers
+
+
+@pytest.mark.source_checks
+def test_readme_and_the_benchmarks_headline_quote_only_repeated_results():
+    """README quotes no figure (it links the page); the page's headline only
+    figures of a results table not marked indicative (>= 3 runs, and epochs
+    of >= 50 steps on an accelerator), to the digits it quotes."""
+    readme = (ROOT / "README.md").read_text()
+    assert _figures(readme) == []
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    headline = page.split("**In short.**", 1)[1].split("\n\n", 1)[0]
+    results = _quotable_results()
+    quoted = _figures(headline)
+    assert len(quoted) >= 5, quoted
+    for figure in quoted:
+        digits = len(figure.partition(".")[2])
+        assert any(round(n, digits) == float(figure) for n in results), figure
+    assert "indicative" in headline
+
+
 @pytest.mark.examples
 def test_readme_quickstart_runs():
     blocks = _python_blocks(ROOT / "README.md")

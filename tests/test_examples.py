@@ -59,6 +59,29 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     assert float(match[3]) < 1e-5
 
 
+def test_the_gpu_preset_measures_figures_to_quote(monkeypatch):
+    """`--preset gpu` (gpu_preset.sh's run): 3 runs of 64-step epochs and
+    every configuration the benchmarks page compares; one run of the CNN's
+    6-step quick epochs is marked indicative, with both reasons."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import single_vs_mirrored as svm
+
+    args = svm._parser().parse_args(["--preset", "gpu"])
+    svm._settings(args)
+    assert (args.platform, args.repeats, args.steps_of) == (
+        "gpu",
+        3,
+        {"tiny": 64, "cnn": 64},
+    )
+    assert {"A", "B", "B32", "C", "E"} <= set(args.config_list)
+    assert svm._indicative(args) is None
+    args = svm._parser().parse_args(["--platform", "gpu", "--quick", "--repeats", "1"])
+    svm._settings(args)
+    assert svm._indicative(args) == (
+        "1 runs per configuration (< 3); steps per epoch on gpu cnn 6 (< 50)"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.benchmarks
 def test_benchmark_quick_mode_writes_its_tables(tmp_path):
@@ -66,8 +89,9 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     args = ["--quick", "--steps", "2", "--epochs", "1", "--repeats", "1"]
     args += ["--models", "tiny", "--scaling", "1,8", "--jobs", "2"]
     out = _run(["benchmarks/single_vs_mirrored.py", *args, "--out", str(tmp_path)])
-    assert "1 runs per configuration (< 5): indicative only" in out
+    assert "1 runs per configuration (< 3): indicative only, not figures" in out
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
+    assert payload["indicative"] == "1 runs per configuration (< 3)"
     rows = {row["config"]: row for row in payload["rows"]}
     # The limits of 32 steps a dispatch need steps in multiples of 32: left
     # out of a 2-step run.

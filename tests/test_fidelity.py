@@ -74,6 +74,8 @@ CASES = [
     ("tf.data", True, 16, 8),
     ("numpy", True, 10, 2),
     ("numpy", True, 10, 4),
+    # A global batch smaller than the replica count trains as on one device.
+    ("numpy", True, 5, 8),
 ]
 
 
@@ -85,10 +87,16 @@ def test_mirrored_matches_one_device(kind, weighted, batch_size, n):
     assert len(ref_history["loss"]) == 3
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history)
     assert_history_close(ref_history, history)
-    assert_weights_close(ref_weights, weights)
+    # 60 steps of 5 rows on 8 replicas: BatchNormalization's moments of 5
+    # rows, summed replica by replica, round otherwise than on one device;
+    # its 1/sqrt(variance) of so few rows carries that to 2e-5 in the weights
+    # and predictions (without BatchNormalization: 3e-8, as with batches of
+    # at least a row a replica).
+    atol = 1e-4 if batch_size < n else None
+    assert_weights_close(ref_weights, weights, atol=atol or 1e-6)
     np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-5, atol=1e-6)
     assert predicted.shape == (N_TEST, 3)
-    np.testing.assert_allclose(predicted, ref_pred, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(predicted, ref_pred, rtol=1e-5, atol=atol or 1e-5)
 
 
 def test_training_actually_changes_the_weights():

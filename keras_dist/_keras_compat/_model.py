@@ -25,12 +25,14 @@ from keras_dist.training._call_checks import check_call
 __all__ = ["_entry_point", "_step_builder"]
 
 _BATCH_ARGS = ("batch_size", "validation_batch_size")
-_SCOPE_FIX = (
-    "Create and compile the model inside `strategy.scope()`:\n\n"
-    "    with strategy.scope():\n"
-    "        model = make_model()\n"
-    "        model.compile(...)\n"
-    "    model.fit(...)"
+_OTHER_STRATEGY_FIX = (
+    "Run it under its own strategy (call it outside any `strategy.scope()`: "
+    "the model runs where it was built), or, to move it, build and compile a "
+    "new model inside the new strategy's scope and copy the weights:\n\n"
+    "    with new_strategy.scope():\n"
+    "        new_model = make_model()\n"
+    "        new_model.compile(...)\n"
+    "    new_model.set_weights(model.get_weights())"
 )
 
 
@@ -159,8 +161,8 @@ def _place_variables(model, strategy: Strategy, *, move: bool = True) -> bool:
             where = owner if owner is not None else v._layout
             raise StrategyMismatchError(
                 f"Variable {v.path!r} was created under {where!r}, but the model "
-                f"is being run under {strategy!r}. A model belongs to the "
-                f"strategy it was built in. {_SCOPE_FIX}"
+                f"is being run under {strategy!r}: a model belongs to the "
+                f"strategy it was built in. {_OTHER_STRATEGY_FIX}"
             )
         if not move:
             continue
