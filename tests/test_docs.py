@@ -42,6 +42,51 @@ def _run_with_stderr(args, env_extra=None) -> tuple[str, str]:
     return result.stdout, result.stderr
 
 
+def as_installed(page: pathlib.Path) -> dict[str, str]:
+    """The environment that runs `page`'s code on exactly the install it
+    names first (a guide's "Install, in a checkout of keras_dist: `pip
+    install -e ...`", README's demo command): the test extra's other
+    packages (TensorFlow, TFDS, ...) refused at import, as where they are not
+    installed (tests/as_installed/)."""
+    line = next(
+        (line for line in page.read_text().splitlines() if "pip install -e " in line),
+        None,
+    )
+    assert line, f"{page.name} does not say what to install"
+    extras = re.search(r'pip install -e "?\.(?:\[([\w,]*)\])?"?', line)
+    return {
+        "PYTHONPATH": str(ROOT / "tests" / "as_installed"),
+        "KD_AS_INSTALLED": extras.group(1) or "",
+        "KD_ALSO_INSTALLED": ",".join(re.findall(r'--no-deps "([\w-]+)==', line)),
+    }
+
+
+@pytest.mark.parametrize(
+    "page, found",
+    [
+        ("README.md", "tensorflow False, sklearn True, keras_hub False, grain False"),
+        (
+            "docs/guides/custom-training-loops.md",
+            "tensorflow True, sklearn False, keras_hub False, grain False",
+        ),
+        (
+            "docs/guides/large-models.md",
+            "tensorflow False, sklearn False, keras_hub True, grain True",
+        ),
+    ],
+)
+def test_a_page_runs_on_exactly_the_install_it_names(page, found):
+    """README's demo install has scikit-learn and no TensorFlow; the custom
+    loops' `.[tf]`, TensorFlow; the large models', keras-hub and Grain."""
+    code = (
+        "import importlib.util as u, keras_dist\n"
+        "names = ['tensorflow', 'sklearn', 'keras_hub', 'grain']\n"
+        "print(', '.join(f'{n} {u.find_spec(n) is not None}' for n in names))"
+    )
+    out = _run(["-c", code], as_installed(ROOT / page))
+    assert out.strip() == found
+
+
 def assert_quiet(stderr: str) -> None:
     """No line another library prints that a user can do nothing about."""
     noise = [
@@ -113,7 +158,7 @@ def test_readme_and_the_benchmarks_headline_quote_only_repeated_results():
 def test_readme_quickstart_runs():
     blocks = _python_blocks(ROOT / "README.md")
     assert blocks, "README has no python example"
-    out = _run(["-c", blocks[0]])
+    out = _run(["-c", blocks[0]], as_installed(ROOT / "README.md"))
     lines = out.strip().splitlines()
     assert lines[0] == "8"
     assert lines[-1] == "(5, 2)"
@@ -124,7 +169,7 @@ def test_readme_quickstart_runs():
 def test_custom_training_loop_guide_runs():
     blocks = _python_blocks(GUIDES / "custom-training-loops.md")
     assert blocks, "the custom-loop guide has no python example"
-    out = _run(["-c", blocks[0]])
+    out = _run(["-c", blocks[0]], as_installed(GUIDES / "custom-training-loops.md"))
     losses = [float(v) for v in re.findall(r"^Epoch \d, Loss: (\d\.\d{4})$", out, re.M)]
     assert len(losses) == 5
     assert losses[-1] < losses[0]
@@ -135,7 +180,7 @@ def test_custom_training_loop_guide_runs():
 def test_multi_host_guide_example_runs_in_one_process():
     blocks = [b for b in _python_blocks(GUIDES / "multi-host.md") if "MultiWorker" in b]
     assert blocks, "the multi-host guide has no MultiWorkerMirroredStrategy example"
-    out = _run(["-c", blocks[0]])
+    out = _run(["-c", blocks[0]], as_installed(GUIDES / "multi-host.md"))
     assert out.strip().splitlines()[-1] == "1 (100, 3)"
     # Probabilities into the probability loss: about ln 3 on 3 classes (logits
     # read as probabilities gave 5.87 rising to 6.32).
@@ -155,7 +200,9 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
         "examples/multi_worker_digits.py --epochs 3"
     )
     args = [*command.split()[1:], "--epochs", "1", "--workdir", str(tmp_path)]
-    out, err = _run_with_stderr(["-m", "keras_dist_run", *args])
+    out, err = _run_with_stderr(
+        ["-m", "keras_dist_run", *args], as_installed(GUIDES / "multi-host.md")
+    )
     assert_quiet(out + err)  # The launcher's default output.
     # The chief prints the progress (11 steps of 128) and PrintLR; nobody else.
     assert re.search(r"^\[0\] 11/11 - .* val_accuracy", out, re.M)
@@ -175,15 +222,18 @@ def _mixed_precision_blocks() -> list[str]:
     return _python_blocks(GUIDES / "mixed-precision.md")
 
 
+MIXED_PRECISION_INSTALL = as_installed(GUIDES / "mixed-precision.md")
+
+
 @pytest.mark.examples
 def test_mixed_precision_guide_fit_runs():
-    out = _run(["-c", _mixed_precision_blocks()[0]])
+    out = _run(["-c", _mixed_precision_blocks()[0]], MIXED_PRECISION_INSTALL)
     assert out.strip().splitlines()[-1] == "LossScaleOptimizer 32768.0"
 
 
 @pytest.mark.examples
 def test_mixed_precision_guide_custom_loop_skips_on_every_replica():
-    out = _run(["-c", _mixed_precision_blocks()[1]])
+    out = _run(["-c", _mixed_precision_blocks()[1]], MIXED_PRECISION_INSTALL)
     assert out.strip().splitlines()[-3:] == [
         "finite True, loss scale 32768.0",
         "finite False, loss scale 16384.0",
@@ -196,7 +246,8 @@ def test_large_models_guide_model_parallel_example_runs():
     text = (GUIDES / "large-models.md").read_text()
     section = text.split("\n## A second mesh axis:", 1)[1].split("\n## ", 1)[0]
     block = re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
-    out = _run(["-c", block]).strip().splitlines()
+    install = as_installed(GUIDES / "large-models.md")
+    out = _run(["-c", block], install).strip().splitlines()
     assert out[0] == "2 {'batch': 2, 'model': 4}"
     assert out[1] == "(37, 12)"
     assert out[2] == "P('model', 'batch')"

@@ -23,7 +23,7 @@ import types
 import pytest
 
 import keras_dist
-from tests.test_docs import ROOT, _python_blocks, _run
+from tests.test_docs import ROOT, _python_blocks, _run, as_installed
 
 DOCS = ROOT / "docs"
 BUILD_TIMEOUT = 300
@@ -187,4 +187,5 @@ def test_the_examples_checked_elsewhere_are_those_blocks():
     ],
 )
 def test_docs_python_block_runs(page, index, block):
-    _run(["-c", block], env_extra=EIGHT_DEVICES)
+    """On exactly the install its page names (`as_installed`)."""
+    _run(["-c", block], env_extra={**EIGHT_DEVICES, **as_installed(DOCS / page)})

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.test_docs import ROOT, _run, _run_with_stderr, assert_quiet
+from tests.test_docs import ROOT, _run, _run_with_stderr, as_installed, assert_quiet
 
 
 @pytest.mark.examples
@@ -25,7 +25,8 @@ def test_demo_runs_and_matches_one_device(tmp_path):
             "14",
             "--workdir",
             str(tmp_path),
-        ]
+        ],
+        as_installed(ROOT / "README.md"),  # README's demo install: ".[demo]".
     )
     assert_quiet(err)  # Orbax's backups and checkpoints say nothing.
     assert (

@@ -30,7 +30,7 @@ from tests._helpers import (
     mirrored,
 )
 from tests._tpu_fakes import fake_tpu_devices, ids
-from tests.test_docs import ROOT, _python_blocks, _run
+from tests.test_docs import ROOT, _python_blocks, _run, as_installed
 
 CPU = jax.local_devices(backend="cpu")
 
@@ -276,7 +276,7 @@ def test_tpu_guide_example_falls_back_without_a_tpu():
     blocks = [b for b in _python_blocks(guide) if "TPUStrategy" in b]
     assert blocks, "the TPU guide has no TPUStrategy example"
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = _run(["-c", blocks[0]], env_extra=flags)
+    out = _run(["-c", blocks[0]], env_extra={**flags, **as_installed(guide)})
     assert out.splitlines()[0] == "MirroredStrategy 8"
     assert "Epoch 2/2" in out
 

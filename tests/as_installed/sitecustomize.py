@@ -1,0 +1,80 @@
+"""A Python started with this folder on PYTHONPATH and KD_AS_INSTALLED set
+imports only what `pip install "keras-dist[EXTRAS]"` would have installed.
+
+KD_AS_INSTALLED: the extras, comma-separated ("" for none); KD_ALSO_INSTALLED:
+distributions installed beside it (e.g. "keras-hub,regex,tokenizers", as
+README installs keras-hub with --no-deps). Every other distribution of this
+environment (the test extra's TensorFlow, TFDS, optax, ...) is refused at
+import, as on a machine where it is not installed: the docs' examples run in
+CI on exactly the install their page names (tests/test_docs.py).
+"""
+
+import importlib.abc
+import importlib.metadata
+import os
+import re
+import sys
+
+
+def _name(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def _installed(extras: list[str], also: list[str]) -> set[str]:
+    """The distributions `keras-dist[extras]` and `also` pull in."""
+    from packaging.requirements import Requirement
+
+    wanted, seen = [("keras-dist", set(extras))] + [(d, set()) for d in also], set()
+    while wanted:
+        dist, dist_extras = wanted.pop()
+        key = (_name(dist), frozenset(dist_extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            requires = importlib.metadata.requires(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # An optional dependency this environment lacks.
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or any(
+                req.marker.evaluate({"extra": e}) for e in [*dist_extras, ""]
+            ):
+                wanted.append((req.name, set(req.extras)))
+    return {dist for dist, _ in seen}
+
+
+class _Installed(importlib.abc.MetaPathFinder):
+    """One of Python's finders, that finds no module of `refused`: `import`
+    raises Python's own ModuleNotFoundError and `importlib.util.find_spec`
+    returns None, as for a package that is not installed."""
+
+    def __init__(self, finder, refused: set[str]) -> None:
+        self.finder, self.refused = finder, refused
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.refused:
+            return None
+        find_spec = getattr(self.finder, "find_spec", None)
+        return None if find_spec is None else find_spec(name, path, target)
+
+    def invalidate_caches(self) -> None:
+        if hasattr(self.finder, "invalidate_caches"):
+            self.finder.invalidate_caches()
+
+
+def _install() -> None:
+    extras = [e for e in os.environ["KD_AS_INSTALLED"].split(",") if e]
+    also = [d for d in os.environ.get("KD_ALSO_INSTALLED", "").split(",") if d]
+    installed = _installed(extras, also)
+    refused = {
+        module
+        for module, dists in importlib.metadata.packages_distributions().items()
+        if not any(_name(d) in installed for d in dists)
+        and module not in sys.stdlib_module_names
+    }
+    sys.meta_path[:] = [_Installed(finder, refused) for finder in sys.meta_path]
+
+
+if "KD_AS_INSTALLED" in os.environ:
+    _install()
