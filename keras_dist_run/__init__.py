@@ -42,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -249,9 +250,12 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
     return [executable, *args.args]
 
 
-def _environment(rank: int | None, n: int, port: int, devices: int | None) -> dict:
+def _environment(
+    rank: int | None, n: int, port: int, devices: int | None, state: str
+) -> dict:
     """A worker's variables, or (`rank=None`) the evaluator's TF_CONFIG."""
     env = dict(os.environ)
+    env["KERAS_DIST_RUN_STATE"] = state  # Where it says it is joining, joined.
     for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", *_LAUNCHER_VARS):
         env.pop(name, None)  # The launcher's cluster wins.
     env["PYTHONUNBUFFERED"] = "1"
@@ -321,6 +325,10 @@ class _Cluster:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n = args.num_processes
         port = args.port or free_port()
+        # Where each process says it is joining the cluster, then joined
+        # (`kd.cluster.initialize`): names one that ends without joining.
+        self.state = tempfile.mkdtemp(prefix="keras-dist-run-")
+        self.alone: set[int] = set()  # Ended (status 0) without joining.
         command = args.command
         self.processes: list[subprocess.Popen] = []
         self.pumps: list[threading.Thread] = []
@@ -328,7 +336,9 @@ class _Cluster:
         for rank in ranks:
             process = subprocess.Popen(
                 command,
-                env=_environment(rank, self.n, port, args.devices_per_process),
+                env=_environment(
+                    rank, self.n, port, args.devices_per_process, self.state
+                ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -380,6 +390,9 @@ class _Cluster:
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 return self._stop_after_failure(failed)
+            waited_for = self._ended_alone(codes)
+            if waited_for is not None:
+                return waited_for
             evaluator = self.evaluator.poll() if self.evaluator else 0
             if evaluator not in (None, 0) and not evaluator_reported:
                 print(
@@ -393,19 +406,68 @@ class _Cluster:
                 return evaluator if evaluator >= 0 else 128 - evaluator
             time.sleep(POLL_SECONDS)
 
+    def _said(self, stage: str, rank: int) -> bool:
+        return os.path.exists(os.path.join(self.state, f"{stage}_{rank}"))
+
+    def _ended_alone(self, codes: list) -> int | None:
+        """Names a worker that ended (status 0) without joining the cluster;
+        if others wait for it in `kd.cluster.initialize`, stops them and
+        returns 1, else None (they run on, alone too)."""
+        if self.n == 1:
+            return None
+        for rank, code in enumerate(codes):
+            if code == 0 and rank not in self.alone and not self._said("joined", rank):
+                self.alone.add(rank)
+                print(
+                    f"keras-dist-run: process {rank} finished without joining the "
+                    f"cluster: it ran alone, a one-process program, not process "
+                    f"{rank} of {self.n}. A program joins through "
+                    "`kd.MultiWorkerMirroredStrategy()` or "
+                    "`kd.cluster.initialize()` (a `MirroredStrategy` uses its own "
+                    "process's devices only).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        waiting = [
+            rank
+            for rank, code in enumerate(codes)
+            if code is None and self._said("joining", rank)
+        ]
+        if not self.alone or not waiting:
+            return None
+        print(
+            f"keras-dist-run: process {_listed(waiting)} "
+            f"{'waits' if len(waiting) == 1 else 'wait'} to join the cluster with "
+            f"process {_listed(sorted(self.alone))}, which finished without "
+            f"joining it; stopping the other {len(waiting)}.",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.stop()
+        return 1
+
     def _stop_after_failure(self, failed: list) -> int:
         # A process killed by a signal is the cause; peers that fail at the
         # same time usually fail because it vanished.
         rank, code = min(failed, key=lambda failure: failure[1] > 0)
         running = sum(p.poll() is None for p in self.processes)
+        before = "" if self._said("joined", rank) or self.n == 1 else " before joining"
         print(
-            f"keras-dist-run: process {rank} {_how(code)}; "
+            f"keras-dist-run: process {rank} {_how(code)}{before}; "
             f"stopping the other {running}.",
             file=sys.stderr,
             flush=True,
         )
         self.stop()
         return code if code > 0 else 128 - code
+
+
+def _listed(ranks: list[int]) -> str:
+    return (
+        ", ".join(map(str, ranks[:-1]))
+        + (" and " if ranks[:-1] else "")
+        + str(ranks[-1])
+    )
 
 
 def _how(code: int) -> str:
@@ -445,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(s, handler)
         for pump in cluster.pumps:
             pump.join(timeout=5)
+        shutil.rmtree(cluster.state, ignore_errors=True)
     return code
 
 

@@ -1,7 +1,9 @@
 """Resolvers read from the environment: SLURM, keras-dist-run, and auto-detection."""
 
+import contextlib
 import dataclasses
 import os
+import pathlib
 from typing import Any
 
 import hostlist
@@ -24,6 +26,33 @@ LAUNCHER_VARS = (
     "KERAS_DIST_NUM_PROCESSES",
     "KERAS_DIST_PROCESS_ID",
 )
+
+
+def tell_launcher(stage: str, process_id: int) -> None:
+    """Tells keras-dist-run that this process is `stage` ("joining" its
+    cluster, "joined"): a file in the folder it names in
+    `KERAS_DIST_RUN_STATE`. It names a process that ends without joining
+    while the others wait for it. Without the launcher: nothing."""
+    folder = os.environ.get("KERAS_DIST_RUN_STATE")
+    if folder:
+        with contextlib.suppress(OSError):
+            pathlib.Path(folder, f"{stage}_{process_id}").touch()
+
+
+def unjoined_cluster() -> ClusterResolver | None:
+    """The cluster this process was started in (keras-dist-run, TF_CONFIG,
+    SLURM) if it has several processes and this one has not joined it; else
+    None (one process, joined, an evaluator, or a description that does not
+    resolve: `initialize` reports that)."""
+    if _jax_private.coordination_client() is not None:
+        return None
+    try:
+        resolver = resolve()
+    except Exception:  # A bad description: `initialize` says why.
+        return None
+    if resolver.num_processes > 1 and resolver.process_id is not None:
+        return resolver
+    return None
 
 
 def first_host(nodelist: str) -> str:

@@ -12,7 +12,7 @@ import jax
 from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
 from keras_dist._keras_compat import _jax_private
 from keras_dist.cluster import _sync
-from keras_dist.cluster._environment import check_address, resolve
+from keras_dist.cluster._environment import check_address, resolve, tell_launcher
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterTimeoutError
@@ -166,6 +166,8 @@ def initialize(
         file=sys.stderr,
         flush=True,
     )
+    if resolver.source == "keras-dist-run":
+        tell_launcher("joining", resolver.process_id)
     if resolver.source != "jax":  # Every process there, or a named error.
         timeout = roll_call(resolver, timeout)
     kwargs: dict[str, Any] = {}
@@ -186,6 +188,8 @@ def initialize(
             "coordinator address is reachable from this host."
         ) from error
     _STATE.update(resolver=resolver, joined=True)
+    if resolver.source == "keras-dist-run":
+        tell_launcher("joined", resolver.process_id)
     _exit_fast_on_errors()
     # Before JAX's shutdown barrier (registered earlier, so run later).
     atexit.register(_sync.mark_exit, "finished its program")

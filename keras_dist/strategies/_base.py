@@ -1,6 +1,8 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
 import contextlib
+import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -9,6 +11,7 @@ import keras
 
 from keras_dist._keras_compat import _access
 from keras_dist.cluster import _sync
+from keras_dist.cluster._environment import unjoined_cluster
 from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
@@ -28,6 +31,38 @@ __all__ = ["Strategy", "strategy_of_model", "strategy_of_variable"]
 
 strategy_of_model = _ownership.strategy_of_model
 strategy_of_variable = _ownership.strategy_of_variable
+
+
+def _say_if_alone(strategy: "Strategy") -> None:
+    """Warns when a one-process strategy is made in one process of a cluster
+    (keras-dist-run -n 2, TF_CONFIG, SLURM) that has not joined it: each
+    process would train a model of its own and write its own files."""
+    cluster = unjoined_cluster()
+    if cluster is None:
+        return
+    name = type(strategy).__name__
+    warnings.warn(
+        f"{name} trains on this process's {len(strategy.devices)} device(s) "
+        f"alone, but this process is {cluster.process_id} of "
+        f"{cluster.num_processes} ({cluster.source}): each of the "
+        f"{cluster.num_processes} processes would train a model of its own and "
+        "write its own files. To train them as one, create "
+        "`kd.MultiWorkerMirroredStrategy()` instead (it joins the processes); "
+        "to train them apart on purpose, ignore this warning.",
+        UserWarning,
+        stacklevel=_outside_keras_dist(),
+    )
+
+
+def _outside_keras_dist() -> int:
+    """The `stacklevel` of the first caller outside keras_dist (the user's
+    line that created the strategy), for a `warnings.warn` of our caller."""
+    frame, level = sys._getframe(2), 2
+    while frame.f_back and frame.f_globals.get("__name__", "").startswith(
+        "keras_dist."
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Strategy(keras.distribution.DataParallel):
@@ -112,6 +147,8 @@ class Strategy(keras.distribution.DataParallel):
         self._run_cache: dict = {}
         # Where this strategy's data goes: what the input pipeline talks to.
         self.placement = ResidentPlacement(self.mesh, self._state_layout)
+        if not self.spans_processes:
+            _say_if_alone(self)
 
     @property
     def state_layout(self) -> StateLayout:

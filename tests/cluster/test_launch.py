@@ -108,6 +108,56 @@ def test_a_failing_process_stops_the_others_quickly():
     assert elapsed < 60 and time.monotonic() - start < 60  # ~10 s start + 10 s grace.
 
 
+def test_a_process_that_ends_without_joining_is_named_at_once():
+    """Process 1 ends without joining; process 0 waits for it in
+    `kd.cluster.initialize` (60 s): the launcher names process 1 and stops
+    process 0 as soon as it sees both."""
+    code = textwrap.dedent("""
+        import os, keras_dist as kd
+        if os.environ["KERAS_DIST_PROCESS_ID"] == "0":
+            kd.cluster.initialize(timeout=60)
+        print("returned")
+    """)
+    result, elapsed = _launch(
+        "-n", "2", "--devices-per-process", "1", "--no-python", sys.executable,
+        "-c", code,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "[1] returned" in result.stdout and "[0] returned" not in result.stdout
+    assert (
+        "keras-dist-run: process 1 finished without joining the cluster: it ran "
+        "alone, a one-process program, not process 1 of 2." in result.stderr
+    )
+    assert (
+        "keras-dist-run: process 0 waits to join the cluster with process 1, which "
+        "finished without joining it; stopping the other 1." in result.stderr
+    )
+    assert elapsed < 40  # Not the 60 s of process 0's wait.
+
+
+def test_a_one_process_strategy_under_the_launcher_says_it_trains_alone():
+    """`kd.MirroredStrategy()` started with `-n 2`: each process warns at
+    once that it trains alone; the launcher names both at their end."""
+    code = "import keras_dist as kd\ns = kd.MirroredStrategy()\nprint('ok')"
+    result, _ = _launch(
+        "-n", "2", "--devices-per-process", "2", "--no-python", sys.executable,
+        "-c", code,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert (
+            f"[{rank}] <string>:2: UserWarning: MirroredStrategy trains on this "
+            f"process's 2 device(s) alone, but this process is {rank} of 2 "
+            "(keras-dist-run): each of the 2 processes would train a model of its "
+            "own and write its own files. To train them as one, create "
+            "`kd.MultiWorkerMirroredStrategy()` instead" in result.stderr
+        )
+        assert (
+            f"keras-dist-run: process {rank} finished without joining the cluster"
+            in result.stderr
+        )
+
+
 def test_unreachable_coordinator_fails_within_the_timeout():
     port = free_port()
     script = textwrap.dedent(f"""
