@@ -111,3 +111,19 @@ def test_the_sdist_holds_the_package_not_the_repository_tests(built):
     assert "keras_dist/__init__.py" in names and "pyproject.toml" in names
     assert "keras_dist/py.typed" in names and "LICENSE" in names
     assert not any(n.startswith(("tests/", "benchmarks/", "notebooks/")) for n in names)
+
+
+def test_the_changelog_says_what_this_version_changed():
+    """CHANGELOG.md (Keep a Changelog) has this version's section, dated,
+    linked, and names the checkpoint format it writes."""
+    import re
+
+    from keras_dist._checkpoint.orbax_store import FORMAT
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "CHANGELOG.md").read_text()
+    versions = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d{2}-\d{2})$", text, re.M)
+    assert versions and versions[0][0] == kd.__version__, versions
+    assert "## [Unreleased]" in text.split(f"## [{kd.__version__}]")[0]
+    assert f"\n[{kd.__version__}]: https://" in text
+    section = text.split(f"## [{kd.__version__}]")[1].split("\n## [")[0]
+    assert f"`{FORMAT}`" in section

@@ -37,6 +37,7 @@ import numpy as np
 from keras_dist._checkpoint.pipeline import Pending, Writer, freeze, prepare
 from keras_dist._keras_compat import _private
 from keras_dist._keras_compat._orbax_private import without_preemption_queries
+from keras_dist._version import __version__
 from keras_dist.errors import IncompatibleBackupError
 
 __all__ = ["OrbaxStore", "committed_steps", "restore"]
@@ -52,6 +53,10 @@ GROUPS = {
 }
 WEIGHTS = ("trainable_variables", "non_trainable_variables")
 ORDER = "keras_dist"  # The checkpointable of the paths (and a backup's meta).
+# The layout of what this keras_dist writes (CHANGELOG.md): Orbax's v1
+# checkpointables, `pytree` in Keras's state-tree groups, this record. A new
+# value comes with a new keras_dist version; another one is refused, named.
+FORMAT = "keras_dist.orbax/2"
 
 
 @functools.cache
@@ -188,7 +193,11 @@ class OrbaxStore:
         right after a save)."""
         state = model.get_state_tree()
         paths = {g: [v.path for v in GROUPS[g](model)] for g in groups}
-        record = {"paths": json.dumps(paths)}
+        record = {
+            "paths": json.dumps(paths),
+            "format": FORMAT,
+            "written_by": f"keras_dist {__version__}",
+        }
         if meta is not None:
             record["meta"] = json.dumps(meta)
         payload = {"pytree": {g: state[g] for g in groups}, ORDER: record}
@@ -288,12 +297,13 @@ class OrbaxStore:
                 for item in ("arrays", "state")
             ):
                 raise IncompatibleBackupError(
-                    f"The checkpoint {entry.path} is in the format keras_dist "
-                    "0.1.0 wrote before its saves went through Orbax's v1 "
-                    "layout (`arrays/`: keras_dist.raw_arrays/1; `state/`: an "
-                    "Orbax v0 item), which this keras_dist does not read. "
-                    "Finish that run with the keras_dist that wrote it, or "
-                    "delete the directory to start from scratch."
+                    f"The checkpoint {entry.path} is in a format of keras_dist "
+                    "0.1 (`arrays/`: keras_dist.raw_arrays/1; `state/`: an "
+                    "Orbax v0 item), which this keras_dist "
+                    f"{__version__} does not read: since 0.2.0 it writes "
+                    f"{FORMAT} (Orbax's v1 layout; CHANGELOG.md). Finish that "
+                    "run with the keras_dist that wrote it, or delete the "
+                    "directory to start from scratch."
                 )
 
 
@@ -359,6 +369,13 @@ def restore(model, path: str, *, backup: bool = False):
     record = None
     if os.path.isdir(os.path.join(step_dir, ORDER)):
         record = ocp.load_checkpointables(step_dir, {ORDER: None})[ORDER]
+    if record and record.get("format", FORMAT) != FORMAT:
+        raise _mismatch(
+            backup,
+            f"The checkpoint {step_dir} is in the format {record['format']}, "
+            f"written by {record.get('written_by', 'another keras_dist')}; this "
+            f"keras_dist {__version__} reads {FORMAT}.",
+        )
     order = json.loads(record["paths"]) if record else None
     saved = ocp.pytree_metadata(step_dir, checkpointable_name="pytree").metadata
     optimizer = getattr(model, "optimizer", None)

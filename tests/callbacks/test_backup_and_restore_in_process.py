@@ -13,6 +13,9 @@ inputs).
 A backup written by another model is refused with the shapes that differ.
 """
 
+import json
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -173,10 +176,32 @@ def test_a_backup_of_keras_dist_0_1_is_refused_naming_its_format(tmp_path, writt
         )
     with pytest.raises(
         kd.errors.IncompatibleBackupError,
-        match=r"keras_dist 0\.1\.0 .*keras_dist\.raw_arrays/1.*delete the directory",
+        match=r"a format of keras_dist 0\.1 .*keras_dist\.raw_arrays/1.*since 0\.2\.0 "
+        r"it writes keras_dist\.orbax/2 .*delete the directory",
     ):
         _store(tmp_path)
     assert (tmp_path / "7").is_dir()
+
+
+def test_a_backup_of_another_format_is_refused_naming_who_wrote_it(tmp_path):
+    """Each backup records its format and the keras_dist that wrote it; a
+    format this keras_dist does not read (a newer one) is refused, named."""
+    store = _store(tmp_path)
+    store.save(_trained(), 3, meta={"epoch": 1})
+    store.close()
+    records = [p for p in (tmp_path / "3" / "keras_dist").rglob("*") if p.is_file()]
+    (record,) = [p for p in records if b'"paths"' in p.read_bytes()]
+    saved = json.loads(record.read_text())
+    assert saved["format"] == "keras_dist.orbax/2"
+    assert saved["written_by"] == f"keras_dist {kd.__version__}"
+    saved.update(format="keras_dist.orbax/3", written_by="keras_dist 0.9.0")
+    record.write_text(json.dumps(saved))
+    with pytest.raises(
+        kd.errors.IncompatibleBackupError,
+        match=r"in the format keras_dist\.orbax/3, written by keras_dist 0\.9\.0; "
+        rf"this keras_dist {re.escape(kd.__version__)} reads keras_dist\.orbax/2\.",
+    ):
+        _store(tmp_path).restore(_built(False, 8))
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
