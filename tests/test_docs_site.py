@@ -23,7 +23,13 @@ import types
 import pytest
 
 import keras_dist
-from tests.test_docs import ROOT, _python_blocks, _run, as_installed
+from tests.test_docs import (
+    ROOT,
+    _python_blocks,
+    _run_with_stderr,
+    as_installed,
+    assert_quiet,
+)
 
 DOCS = ROOT / "docs"
 BUILD_TIMEOUT = 300
@@ -187,5 +193,8 @@ def test_the_examples_checked_elsewhere_are_those_blocks():
     ],
 )
 def test_docs_python_block_runs(page, index, block):
-    """On exactly the install its page names (`as_installed`)."""
-    _run(["-c", block], env_extra={**EIGHT_DEVICES, **as_installed(DOCS / page)})
+    """On exactly the install its page names (`as_installed`), quietly."""
+    _, err = _run_with_stderr(
+        ["-c", block], env_extra={**EIGHT_DEVICES, **as_installed(DOCS / page)}
+    )
+    assert_quiet(err)
