@@ -17,7 +17,7 @@ keeps off: Keras's sharding needs a global batch divisible by the processes
 and loses the exact partial batch). So the one place that works on both is
 Keras's tf.data adapter itself: after `TFDatasetAdapter.__init__`, under a
 keras_dist strategy, the adapter reads this process's share
-(`data/_auto_shard.per_process_share`: the whole dataset under AUTO/DATA).
+(`data/host/_auto_shard.per_process_share`: the whole dataset under AUTO/DATA).
 """
 
 from collections.abc import Callable

@@ -1,6 +1,6 @@
 """Every private name of Keras, JAX and TensorFlow keras_dist uses, by kind.
 
-The functions keras_dist wraps or reads by name are `_SEAMS` (`__init__.py`),
+The functions keras_dist wraps or reads by name are `_SEAMS` (`_seams.py`),
 the private JAX names of the cluster layer `JAX_PRIVATE` (`_jax_seams.py`).
 This module lists the rest, so that the fence is whole:
 

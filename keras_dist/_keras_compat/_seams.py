@@ -39,15 +39,15 @@ trainer's `fit`):
    step raises, they stay `None` and every later call fails with
    `TypeError: 'NoneType' object is not callable`. keras_dist reattaches them.
 
-5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
-   are created with the strategy's `state_layout.slot_layout` (ZeRO-1 shards them
-   the weights stay replicated), and their update gets whole gradients.
-
 4. **Several processes** (`_processes.py`): each `fit/evaluate/predict` call
    is checked to be the same call on every process (else an error instead
    of a hang), non-chief processes do not print or log, `fit` shares the
    chief's NumPy random state (same shuffling), `predict` outputs are
    gathered on every process.
+
+5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
+   are created with the strategy's `state_layout.slot_layout` (ZeRO-1 shards them
+   the weights stay replicated), and their update gets whole gradients.
 
 6. **Split variables made in parts** (`_variables.py`): under a strategy,
    a variable the strategy splits is initialized by its initializer compiled

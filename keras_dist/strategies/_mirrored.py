@@ -9,7 +9,10 @@ from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._devices import resolve_devices
 from keras_dist.strategies.devices._mesh import check_model_parallel
 from keras_dist.strategies.state._model_layout import sharded_state
-from keras_dist.strategies.state._state_layout import sharded_option
+from keras_dist.strategies.state._state_layout import (
+    SHARD_OPTIMIZER_STATE,
+    SHARD_VARIABLES,
+)
 
 __all__ = ["MirroredStrategy"]
 
@@ -104,10 +107,5 @@ class MirroredStrategy(Strategy):
             layout_map=layout_map,
         )
 
-    shard_variables = sharded_option(
-        "shard_variables", "Whether variables are split over the devices (FSDP)."
-    )
-    shard_optimizer_state = sharded_option(
-        "shard_optimizer_state",
-        "Whether optimizer slots are split over the devices (ZeRO-1).",
-    )
+    shard_variables = SHARD_VARIABLES
+    shard_optimizer_state = SHARD_OPTIMIZER_STATE

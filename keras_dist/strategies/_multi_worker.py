@@ -10,7 +10,10 @@ from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._join import global_devices, join_cluster
 from keras_dist.strategies.devices._mesh import check_model_parallel
 from keras_dist.strategies.state._model_layout import sharded_state
-from keras_dist.strategies.state._state_layout import sharded_option
+from keras_dist.strategies.state._state_layout import (
+    SHARD_OPTIMIZER_STATE,
+    SHARD_VARIABLES,
+)
 
 __all__ = ["CommunicationOptions", "MultiWorkerMirroredStrategy"]
 
@@ -154,13 +157,8 @@ class MultiWorkerMirroredStrategy(Strategy):
             layout_map=layout_map,
         )
 
-    shard_variables = sharded_option(
-        "shard_variables", "Whether variables are split over the devices (FSDP)."
-    )
-    shard_optimizer_state = sharded_option(
-        "shard_optimizer_state",
-        "Whether optimizer slots are split over the devices (ZeRO-1).",
-    )
+    shard_variables = SHARD_VARIABLES
+    shard_optimizer_state = SHARD_OPTIMIZER_STATE
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

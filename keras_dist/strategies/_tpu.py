@@ -14,7 +14,10 @@ from keras_dist.strategies.devices._join import agree_on_seed
 from keras_dist.strategies.devices._mesh import check_model_parallel
 from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
 from keras_dist.strategies.state._model_layout import sharded_state
-from keras_dist.strategies.state._state_layout import sharded_option
+from keras_dist.strategies.state._state_layout import (
+    SHARD_OPTIMIZER_STATE,
+    SHARD_VARIABLES,
+)
 
 __all__ = ["TPUStrategy", "check_global_batch"]
 
@@ -112,13 +115,8 @@ class TPUStrategy(Strategy):
             layout_map=layout_map,
         )
 
-    shard_variables = sharded_option(
-        "shard_variables", "Whether variables are split over the replicas (FSDP)."
-    )
-    shard_optimizer_state = sharded_option(
-        "shard_optimizer_state",
-        "Whether optimizer slots are split over the replicas (ZeRO-1).",
-    )
+    shard_variables = SHARD_VARIABLES
+    shard_optimizer_state = SHARD_OPTIMIZER_STATE
 
     def check_global_batch(self, batch_size: int) -> None:
         check_global_batch(self, batch_size)

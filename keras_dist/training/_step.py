@@ -6,7 +6,7 @@ Under a keras_dist strategy the seams hand every step to `StepProgram`
 (`_keras_compat/_loop.py`), which prepares it here, in one place and in
 this order, for every execution mode:
 
-1. **gather**: a device-resident batch (`data/_resident_batch`) becomes its
+1. **gather**: a device-resident batch (`data/resident/_resident_batch`) becomes its
    rows, gathered on the devices (inside the compiled step: one program);
 2. **rows**: `data/_replica_rows.current()` says, for the step's duration,
    which replica each real row came from (per-replica BatchNormalization);

@@ -30,11 +30,12 @@ from keras_dist.strategies.state._sharding import (
 )
 
 __all__ = [
+    "SHARD_OPTIMIZER_STATE",
+    "SHARD_VARIABLES",
     "HostMemoryStateLayout",
     "PartitionedStateLayout",
     "ShardedStateLayout",
     "StateLayout",
-    "sharded_option",
 ]
 
 
@@ -124,6 +125,17 @@ def sharded_option(name: str, doc: str) -> property:
         return bool(getattr(strategy.state_layout, name))
 
     return property(option, doc=doc)
+
+
+# The two options of MirroredStrategy, MultiWorkerMirroredStrategy and
+# TPUStrategy.
+SHARD_VARIABLES = sharded_option(
+    "shard_variables", "Whether variables are split over the devices (FSDP)."
+)
+SHARD_OPTIMIZER_STATE = sharded_option(
+    "shard_optimizer_state",
+    "Whether optimizer slots are split over the devices (ZeRO-1).",
+)
 
 
 class ShardedStateLayout(StateLayout):
