@@ -34,7 +34,12 @@ def _installed(extras: list[str], also: list[str]) -> set[str]:
         try:
             requires = importlib.metadata.requires(dist) or []
         except importlib.metadata.PackageNotFoundError:
-            continue  # An optional dependency this environment lacks.
+            # Installed under another name (CI's newest stack: keras-nightly
+            # for keras), or an optional dependency this environment lacks.
+            module = _name(dist).replace("-", "_")
+            others = importlib.metadata.packages_distributions().get(module, [])
+            wanted += [(other, dist_extras) for other in others]
+            continue
         for text in requires:
             req = Requirement(text)
             if req.marker is None or any(
@@ -45,12 +50,20 @@ def _installed(extras: list[str], also: list[str]) -> set[str]:
 
 
 class _Installed(importlib.abc.MetaPathFinder):
-    """One of Python's finders, that finds no module of `refused`: `import`
-    raises Python's own ModuleNotFoundError and `importlib.util.find_spec`
-    returns None, as for a package that is not installed."""
+    """One of Python's finders, that finds no module of `refused` and no
+    distribution outside `installed`: `import` raises Python's own
+    ModuleNotFoundError, `importlib.util.find_spec` returns None and
+    `importlib.metadata.version` raises PackageNotFoundError, as for a
+    package that is not installed."""
 
-    def __init__(self, finder, refused: set[str]) -> None:
-        self.finder, self.refused = finder, refused
+    def __init__(self, finder, refused: set[str], installed: set[str]) -> None:
+        self.finder, self.refused, self.installed = finder, refused, installed
+
+    def find_distributions(self, *args, **kwargs):
+        find = getattr(self.finder, "find_distributions", None)
+        for dist in find(*args, **kwargs) if find else []:
+            if _name(dist.metadata["Name"] or "") in self.installed:
+                yield dist
 
     def find_spec(self, name, path=None, target=None):
         if name.partition(".")[0] in self.refused:
@@ -73,7 +86,9 @@ def _install() -> None:
         if not any(_name(d) in installed for d in dists)
         and module not in sys.stdlib_module_names
     }
-    sys.meta_path[:] = [_Installed(finder, refused) for finder in sys.meta_path]
+    sys.meta_path[:] = [
+        _Installed(finder, refused, installed) for finder in sys.meta_path
+    ]
 
 
 if "KD_AS_INSTALLED" in os.environ:
