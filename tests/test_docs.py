@@ -182,10 +182,11 @@ def test_multi_host_guide_example_runs_in_one_process():
     assert blocks, "the multi-host guide has no MultiWorkerMirroredStrategy example"
     out = _run(["-c", blocks[0]], as_installed(GUIDES / "multi-host.md"))
     assert out.strip().splitlines()[-1] == "1 (100, 3)"
-    # Probabilities into the probability loss: about ln 3 on 3 classes (logits
-    # read as probabilities gave 5.87 rising to 6.32).
+    # Probabilities into the probability loss: about ln 3 on 3 classes, a
+    # batch's up to 1.6 from the random start (logits read as probabilities
+    # gave 5.87 rising to 6.32).
     losses = [float(v) for v in re.findall(r"loss: ([\d.]+)", out)]
-    assert losses and all(loss < 1.5 for loss in losses), losses
+    assert losses and all(loss < 2.5 for loss in losses), losses
 
 
 @pytest.mark.slow

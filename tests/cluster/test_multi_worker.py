@@ -125,8 +125,9 @@ def test_eager_predict_returns_every_row_on_every_process(cluster):
         )
 
 
+@pytest.mark.parametrize("cluster", [LAYOUTS[0]], indirect=True, ids=["2x4"])
 def test_keras_hub_generate_gives_one_devices_tokens_on_every_process(cluster):
-    """`generate` lays its prompts out itself: 1, 3 and 9 prompts on 8 or 2
+    """`generate` lays its prompts out itself: 1, 3 and 9 prompts on 8
     replicas over 2 processes, token for token as on one device."""
     from tests import _keras_hub_lm as lm
 

@@ -2,11 +2,10 @@
 
 `keras-dist-run -n 2 --devices-per-process 1` and `-n 4 --devices-per-process
 1` train `examples/multi_worker_digits.py` to the end, to the checkpoint of
-as many replicas in fewer processes (1 x 2, 2 x 2); and so do 2 processes
-started by hand with `TF_CONFIG`, as on real hosts.
+as many replicas in fewer processes (1 x 2, 2 x 2). (TF_CONFIG clusters of
+processes started by hand: tests/cluster/test_faults.py.)
 """
 
-import json
 import os
 import pathlib
 import subprocess
@@ -15,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 
-from keras_dist.launch import free_port
 from tests._helpers import h5_datasets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,36 +82,3 @@ def test_one_device_a_process_trains_as_many_replicas_in_fewer_processes(
     launched, one_device, fewer
 ):
     _assert_same(launched(*fewer), launched(*one_device))
-
-
-def test_tf_config_on_one_device_a_process_trains_as_the_launcher(launched, tmp_path):
-    """2 processes started by hand, each with its TF_CONFIG, one CPU device."""
-    port = free_port()
-    workers = [f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"]
-    workdir = tmp_path / "tf_config"
-    processes = []
-    for index in (0, 1):
-        environ = _environ()
-        environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-        environ["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(EXAMPLE), *ARGS, "--workdir", str(workdir)],
-                env=environ,
-                cwd=str(ROOT / "examples"),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=400) for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    for p, (out, err) in zip(processes, outputs, strict=True):
-        assert p.returncode == 0, out[-2000:] + err[-3000:]
-    assert "num_processes=2" in outputs[0][0]
-    _assert_same(launched(2, 1), _checkpoint(str(workdir)))
