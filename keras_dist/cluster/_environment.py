@@ -28,13 +28,13 @@ LAUNCHER_VARS = (
 )
 
 
-def tell_launcher(stage: str, process_id: int) -> None:
+def tell_launcher(stage: str, process_id: int | None) -> None:
     """Tells keras-dist-run that this process is `stage` ("joining" its
     cluster, "joined"): a file in the folder it names in
     `KERAS_DIST_RUN_STATE`. It names a process that ends without joining
     while the others wait for it. Without the launcher: nothing."""
     folder = os.environ.get("KERAS_DIST_RUN_STATE")
-    if folder:
+    if folder and process_id is not None:
         with contextlib.suppress(OSError):
             pathlib.Path(folder, f"{stage}_{process_id}").touch()
 

@@ -1,7 +1,7 @@
 """`Strategy`: a Keras 3 distribution that speaks tf.distribute."""
 
 import contextlib
-import sys
+import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -57,9 +57,13 @@ def _say_if_alone(strategy: "Strategy") -> None:
 def _outside_keras_dist() -> int:
     """The `stacklevel` of the first caller outside keras_dist (the user's
     line that created the strategy), for a `warnings.warn` of our caller."""
-    frame, level = sys._getframe(2), 2
-    while frame.f_back and frame.f_globals.get("__name__", "").startswith(
-        "keras_dist."
+    frame, level = inspect.currentframe(), 0  # This function's.
+    for _ in range(2):  # Our caller's caller: level 2 of its `warn`.
+        frame, level = frame.f_back if frame else None, level + 1
+    while (
+        frame
+        and frame.f_back
+        and frame.f_globals.get("__name__", "").startswith("keras_dist.")
     ):
         frame, level = frame.f_back, level + 1
     return level
