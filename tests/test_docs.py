@@ -57,7 +57,7 @@ def as_installed(page: pathlib.Path) -> dict[str, str]:
     return {
         "PYTHONPATH": str(ROOT / "tests" / "as_installed"),
         "KD_AS_INSTALLED": extras.group(1) or "",
-        "KD_ALSO_INSTALLED": ",".join(re.findall(r'--no-deps "([\w-]+)==', line)),
+        "KD_INSTALLED_ALONE": ",".join(re.findall(r'--no-deps "([\w-]+)==', line)),
     }
 
 

@@ -31,6 +31,7 @@ from nbclient import NotebookClient
 
 from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
 from tests._tpu_fakes import fake_tpu_devices
+from tests.as_installed.sitecustomize import installed as brought_by
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -293,33 +294,6 @@ def _distribution(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _installed_with(requirements: list[str], no_deps: list[str]) -> set[str]:
-    """The distributions `pip install requirements` brings (per metadata),
-    keras-dist's and its extras' from pyproject.toml, and `no_deps` alone."""
-    wanted = []
-    for requirement in requirements:
-        extras = re.fullmatch(r"keras-dist(?:\[(.*)\])?", requirement)
-        if not extras:
-            wanted.append(requirement)
-            continue
-        wanted += PROJECT["dependencies"]
-        for extra in extras[1].split(",") if extras[1] else []:
-            wanted += PROJECT["optional-dependencies"][extra.strip()]
-    seen: set[str] = set()
-    todo = [_distribution(r) for r in wanted]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            requires = importlib.metadata.requires(name) or []
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        todo += [_distribution(r) for r in requires if "extra ==" not in r]
-    return seen | {_distribution(r) for r in no_deps}
-
-
 def _imported_modules(nb) -> set[str]:
     """Top-level modules the code cells import, less the stdlib and its own files."""
     modules, written = set(), set()
@@ -376,10 +350,10 @@ def test_install_cell_is_the_same_in_every_notebook_but_what_it_installs(name):
 def test_install_cell_brings_every_package_the_notebook_imports(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     namespace = _install_namespace(_install_cell(nb))
-    extras = ",".join(namespace["EXTRAS"])
-    installed = _installed_with(
-        [f"keras-dist[{extras}]", *namespace["NEEDS"].values()],
-        list(namespace["NO_DEPS"].values()),
+    installed = brought_by(
+        namespace["EXTRAS"],
+        also=[_distribution(r) for r in namespace["NEEDS"].values()],
+        alone=[_distribution(r) for r in namespace["NO_DEPS"].values()],
     )
     modules = importlib.metadata.packages_distributions()
     missing = {

@@ -1,12 +1,13 @@
 """A Python started with this folder on PYTHONPATH and KD_AS_INSTALLED set
 imports only what `pip install "keras-dist[EXTRAS]"` would have installed.
 
-KD_AS_INSTALLED: the extras, comma-separated ("" for none); KD_ALSO_INSTALLED:
-distributions installed beside it (e.g. "keras-hub,regex,tokenizers", as
-README installs keras-hub with --no-deps). Every other distribution of this
-environment (the test extra's TensorFlow, TFDS, optax, ...) is refused at
-import, as on a machine where it is not installed: the docs' examples run in
-CI on exactly the install their page names (tests/test_docs.py).
+KD_AS_INSTALLED: the extras, comma-separated ("" for none);
+KD_INSTALLED_ALONE: distributions installed beside it without their
+dependencies (e.g. "keras-hub", as README installs it with --no-deps).
+Every other distribution of this environment (the test extra's TensorFlow,
+TFDS, optax, ...) is refused at import and hidden from importlib.metadata,
+as on a machine where it is not installed: the docs' examples run in CI on
+exactly the install their page names (tests/test_docs.py).
 """
 
 import importlib.abc
@@ -20,11 +21,15 @@ def _name(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def _installed(extras: list[str], also: list[str]) -> set[str]:
-    """The distributions `keras-dist[extras]` and `also` pull in."""
+def installed(
+    extras: list[str], also: list[str] = (), alone: list[str] = ()
+) -> set[str]:
+    """The distributions `pip install "keras-dist[extras]" *also` pulls in,
+    and `alone` (installed with `--no-deps`), by normalized name."""
     from packaging.requirements import Requirement
 
-    wanted, seen = [("keras-dist", set(extras))] + [(d, set()) for d in also], set()
+    wanted = [("keras-dist", set(extras))] + [(d, set()) for d in also]
+    seen: set = set()
     while wanted:
         dist, dist_extras = wanted.pop()
         key = (_name(dist), frozenset(dist_extras))
@@ -46,7 +51,7 @@ def _installed(extras: list[str], also: list[str]) -> set[str]:
                 req.marker.evaluate({"extra": e}) for e in [*dist_extras, ""]
             ):
                 wanted.append((req.name, set(req.extras)))
-    return {dist for dist, _ in seen}
+    return {dist for dist, _ in seen} | {_name(d) for d in alone}
 
 
 class _Installed(importlib.abc.MetaPathFinder):
@@ -78,17 +83,15 @@ class _Installed(importlib.abc.MetaPathFinder):
 
 def _install() -> None:
     extras = [e for e in os.environ["KD_AS_INSTALLED"].split(",") if e]
-    also = [d for d in os.environ.get("KD_ALSO_INSTALLED", "").split(",") if d]
-    installed = _installed(extras, also)
+    alone = [d for d in os.environ.get("KD_INSTALLED_ALONE", "").split(",") if d]
+    kept = installed(extras, alone=alone)
     refused = {
         module
         for module, dists in importlib.metadata.packages_distributions().items()
-        if not any(_name(d) in installed for d in dists)
+        if not any(_name(d) in kept for d in dists)
         and module not in sys.stdlib_module_names
     }
-    sys.meta_path[:] = [
-        _Installed(finder, refused, installed) for finder in sys.meta_path
-    ]
+    sys.meta_path[:] = [_Installed(finder, refused, kept) for finder in sys.meta_path]
 
 
 if "KD_AS_INSTALLED" in os.environ:
