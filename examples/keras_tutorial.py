@@ -8,7 +8,7 @@ random images) so it runs anywhere.
 
     python examples/keras_tutorial.py [--mock] [--epochs 12] [--workdir DIR]
 
-Needs TFDS: `pip install "keras-dist[tfds]"` (from a clone: `pip install -e ".[tfds]"`).
+Needs TFDS: `pip install -e ".[tfds]"` in a checkout of keras_dist.
 """
 
 import argparse

@@ -9,10 +9,14 @@ import pathlib
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+PROJECT_EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+    "optional-dependencies"
+]
 GUIDES = ROOT / "docs" / "guides"
 TIMEOUT = 300
 
@@ -99,6 +103,30 @@ def assert_quiet(stderr: str) -> None:
 
 def _python_blocks(path: pathlib.Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+
+
+@pytest.mark.source_checks
+def test_no_text_installs_keras_dist_from_the_package_index():
+    """The index does not serve keras-dist: every `pip install` of it a user
+    reads (docs, README, examples, notebooks, error messages) is from a
+    checkout (`-e`) or the repository (`@ git+`); keras-dist's `tpu` extra
+    is named by the JAX it installs, in pyproject's range."""
+    tpu = PROJECT_EXTRAS["tpu"][0]
+    places = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    places += [*(ROOT / "examples").glob("*.py"), *(ROOT / "notebooks").glob("*.ipynb")]
+    places += [*(ROOT / "keras_dist").rglob("*.py")]
+    found = []
+    for path in places:
+        for match in re.finditer(
+            r"keras-dist\[[\w,]*\][^\n`\\]{0,3}", path.read_text()
+        ):
+            text = path.read_text()[match.start() : match.end() + 40]
+            if "@ git+" not in text and "@ {" not in text and "@ file" not in text:
+                found.append((path.relative_to(ROOT).as_posix(), text.split("\n")[0]))
+    assert found == []
+    from keras_dist.cluster._tpu_devices import _INSTALL
+
+    assert f'pip install "{tpu}"' == _INSTALL
 
 
 def test_readme_has_exactly_two_commands_at_the_top():

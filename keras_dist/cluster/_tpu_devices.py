@@ -19,7 +19,9 @@ __all__ = ["cloud_tpu_hosts", "full_tensorflow", "visible_tpu_devices"]
 
 # Distributions that install the `tensorflow` module with TPU support.
 _FULL_TENSORFLOW = ("tensorflow", "tensorflow-tpu", "tf-nightly", "tf-nightly-tpu")
-_INSTALL = 'pip install "keras-dist[tpu]"'
+# keras-dist's `tpu` extra, as pip can install it (the index does not serve
+# keras-dist): JAX with libtpu, in keras_dist's range.
+_INSTALL = 'pip install "jax[tpu]>=0.10,<0.13"'
 _FALLBACK = (
     "To use a TPU when there is one and the local devices otherwise, catch the "
     "error as the tf.distribute tutorials do:\n\n"
