@@ -22,7 +22,7 @@ def test_no_tpu_is_a_value_error_naming_the_platform_and_the_fix():
     message = str(error)
     assert message.startswith("No TPU is visible to JAX: it found platform 'cpu'")
     assert "Received: tpu=None." in message
-    assert 'pip install "keras-dist[tpu]"' in message
+    assert 'pip install "jax[tpu]>=0.10,<0.13"' in message
     assert "except ValueError:" in message
     assert "tensorflow-cpu" not in message  # tensorflow-cpu is what is installed.
 

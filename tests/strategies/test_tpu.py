@@ -238,7 +238,7 @@ def test_without_a_tpu_the_error_names_the_platform_and_the_fix():
     message = str(caught.value)
     assert isinstance(caught.value, kd.errors.TPUNotFoundError)
     assert "platform 'cpu' (8 devices)" in message
-    assert 'pip install "keras-dist[tpu]"' in message
+    assert 'pip install "jax[tpu]>=0.10,<0.13"' in message
     assert "except ValueError:\n        strategy = kd.MirroredStrategy()" in message
 
 
