@@ -51,7 +51,21 @@ def installed(
                 req.marker.evaluate({"extra": e}) for e in [*dist_extras, ""]
             ):
                 wanted.append((req.name, set(req.extras)))
-    return {dist for dist, _ in seen} | {_name(d) for d in alone}
+    return {dist for dist, _ in seen} | {_name(d) for d in _as_installed(alone)}
+
+
+def _as_installed(dists: list[str]) -> list[str]:
+    """`dists`, each by the name it is installed under: keras-hub is
+    keras-hub-nightly on CI's newest stack."""
+    found = []
+    for dist in dists:
+        try:
+            importlib.metadata.distribution(dist)
+            found.append(dist)
+        except importlib.metadata.PackageNotFoundError:
+            module = _name(dist).replace("-", "_")
+            found += importlib.metadata.packages_distributions().get(module, [dist])
+    return found
 
 
 class _Installed(importlib.abc.MetaPathFinder):
