@@ -431,15 +431,18 @@ class _Cluster:
         waiting = [
             rank
             for rank, code in enumerate(codes)
-            if code is None and self._said("joining", rank)
+            if code is None
+            and self._said("joining", rank)
+            and not self._said("joined", rank)
         ]
         if not self.alone or not waiting:
             return None
+        running = sum(p.poll() is None for p in self.processes)
         print(
             f"keras-dist-run: process {_listed(waiting)} "
             f"{'waits' if len(waiting) == 1 else 'wait'} to join the cluster with "
             f"process {_listed(sorted(self.alone))}, which finished without "
-            f"joining it; stopping the other {len(waiting)}.",
+            f"joining it; stopping the other {running}.",
             file=sys.stderr,
             flush=True,
         )
