@@ -216,7 +216,7 @@ class _Floor(keras.callbacks.Callback):
         return [v.value for v in self.model.variables + self.model.optimizer.variables]
 
     def on_train_begin(self, logs=None):
-        from keras_dist._checkpoint.pipeline import prepare
+        from keras_dist._checkpoint.freeze import prepare
 
         prepare(self._state())  # Compiled now, as the callbacks do.
 
@@ -226,7 +226,7 @@ class _Floor(keras.callbacks.Callback):
             self._save()
 
     def _save(self) -> None:
-        from keras_dist._checkpoint.pipeline import freeze
+        from keras_dist._checkpoint.freeze import freeze
 
         self.on_train_end()  # One write in flight.
         frozen = freeze(self._state())

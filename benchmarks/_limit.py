@@ -9,7 +9,7 @@ EK dispatch one step at a time; E32 and EK32 run 32 steps as one program, a
 `jax.lax.scan` over 32 batches stacked on the devices, each step's batch
 constrained to E's layout. At most 8 programs are in flight, as keras_dist
 keeps them on CPU devices (unbounded, XLA:CPU aborted most runs:
-`keras_dist/strategies/devices/_placement.py`); EKU and EK32U are EK and EK32 with
+`keras_dist/strategies/placement/_placement.py`); EKU and EK32U are EK and EK32 with
 no such bound (the loop as JAX's tutorials write it: what the pacing costs,
 and whether these runs abort). EKH and EKH32 are EK and EK32 on the host
 path: each dispatch's batches (one, or 32 stacked) copied from NumPy by one

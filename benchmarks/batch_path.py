@@ -47,7 +47,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 PATHS = ("numpy", "tf.data")
 # DESIGN.md's layers, top (seams) to bottom (cluster), by folder.
 LAYERS = {
-    "_keras_compat": "seams",
+    "_seams": "seams",
+    "_private_api": "private API",
     "callbacks": "callbacks",
     "failure_handling": "callbacks",
     "training": "training",

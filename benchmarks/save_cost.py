@@ -192,11 +192,11 @@ def _parts(model, directory: str) -> dict:
     import jax
     import numpy as np
 
-    from keras_dist._checkpoint.orbax_store import OrbaxStore
-    from keras_dist._checkpoint.pipeline import freeze
+    from keras_dist._checkpoint.freeze import freeze
+    from keras_dist._checkpoint.pipeline import OrbaxSaves
 
     state = list(model.variables) + list(model.optimizer.variables)
-    store = OrbaxStore(
+    store = OrbaxSaves(
         os.path.join(directory, "backup"),
         owner="BackupAndRestore",
         what="backup",
@@ -221,7 +221,7 @@ def _parts(model, directory: str) -> dict:
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
 
-    from keras_dist._keras_compat._saving import snapshot, write_snapshot
+    from keras_dist._checkpoint.keras_files import snapshot, write_snapshot
 
     frozen_h5 = snapshot(model, with_config=False)
     jax.block_until_ready([v for v in frozen_h5.values() if isinstance(v, jax.Array)])

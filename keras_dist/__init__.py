@@ -17,7 +17,7 @@ _ensure_jax_backend()
 _size_cpu_thread_pool()  # Several CPU devices: before JAX starts its client.
 
 from keras_dist import (  # noqa: E402
-    _keras_compat,
+    _seams,
     callbacks,
     cluster,
     data,
@@ -47,12 +47,12 @@ from keras_dist.strategies import (  # noqa: E402
     ReduceOp,
     ReplicaContext,
     Strategy,
-    TPUStrategy,
     get_replica_context,
 )
+from keras_dist.tpu import TPUStrategy  # noqa: E402
 
 # The private Keras seams (inert unless a keras_dist strategy is in use).
-_keras_compat.install()
+_seams.install()
 
 __all__ = [
     "CentralStorageStrategy",

@@ -5,7 +5,7 @@ import re
 import sys
 from typing import Any
 
-from keras_dist._keras_compat import _jax_private
+from keras_dist._private_api import _jax_private
 
 
 def ensure_jax_backend() -> None:

@@ -6,7 +6,7 @@ names it uses of other packages: names imported from private modules
 read, written or called, on any object or through `self` in a subclass of a
 Keras class, also by `getattr`/`hasattr`/`setattr` with a constant name —
 that no keras_dist code defines. That list must be exactly what the seam
-tables declare (`keras_dist/_keras_compat/_private.py`, `_SEAMS`,
+tables declare (`keras_dist/_private_api/_private.py`, `_SEAMS`,
 `JAX_PRIVATE`), and the tables must hold in the installed Keras, JAX and TF.
 """
 
@@ -22,10 +22,12 @@ import pytest
 import tensorflow  # noqa: F401  (the TF entries are checked once TF is imported)
 
 import keras_dist
-from keras_dist import _keras_compat
-from keras_dist._keras_compat import _private
+from keras_dist import _seams
+from keras_dist._private_api import _private
 
 _PACKAGE = pathlib.Path(keras_dist.__file__).parent
+# The fence: the seams (top) and the private-API accessors (bottom).
+FENCE = ("keras_dist/_seams/", "keras_dist/_private_api/")
 _PRIVATE_MODULES = ("keras.src", "jax._src", "tensorflow.python")
 _ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr")
 
@@ -171,9 +173,9 @@ def _declared_attributes() -> set[str]:
     declared = set()
     for _, _, names in (*_private.PRIVATE_ATTRIBUTES, *_private.TF_PRIVATE_ATTRIBUTES):
         declared |= set(names)
-    for _, path, _ in _keras_compat._SEAMS:
+    for _, path, _ in _seams._SEAMS:
         declared |= {part for part in path.split(".") if _is_private(part)}
-    for _, path in _keras_compat.JAX_PRIVATE:
+    for _, path in _seams.JAX_PRIVATE:
         declared |= {part for part in path.split(".") if _is_private(part)}
     declared |= {
         name for _, name, _ in _private.TF_PRIVATE_ATTRIBUTES if _is_private(name)
@@ -186,10 +188,10 @@ def test_every_private_name_keras_dist_uses_is_in_the_tables():
     unlisted = {n: w for n, w in attributes.items() if n not in _declared_attributes()}
     assert not unlisted, (
         "Private names of other packages used but not declared in "
-        f"keras_dist/_keras_compat/_private.py: {unlisted}"
+        f"keras_dist/_private_api/_private.py: {unlisted}"
     )
     listed = set(_private.PRIVATE_IMPORTS) | {
-        (module, path) for module, path, _ in _keras_compat._SEAMS
+        (module, path) for module, path, _ in _seams._SEAMS
     }
     unlisted_imports = {k: w for k, w in imports.items() if k not in listed}
     assert not unlisted_imports, f"Private imports not declared: {unlisted_imports}"
@@ -197,14 +199,15 @@ def test_every_private_name_keras_dist_uses_is_in_the_tables():
 
 def test_no_private_name_of_another_package_is_used_outside_the_fence():
     """Keras's, JAX's, TensorFlow's and Orbax's private names are used only in
-    `keras_dist/_keras_compat/`: the other layers call its accessors."""
+    the fence, `keras_dist/_seams/` and `keras_dist/_private_api/`: the other
+    layers call the accessors of `_private_api/`."""
     attributes, imports = _package_uses()
     used = {
         **attributes,
         **{f"{module}.{name}": w for (module, name), w in imports.items()},
     }
     outside = {
-        name: [w for w in where if not w.startswith("keras_dist/_keras_compat/")]
+        name: [w for w in where if not w.startswith(FENCE)]
         for name, where in used.items()
     }
     assert {name: where for name, where in outside.items() if where} == {}
@@ -228,9 +231,9 @@ def test_the_tables_hold_in_the_installed_releases():
     assert _private.check() == []
     assert _private.check("orbax") == []  # Checked at Orbax's first use.
     assert _private.check("tensorflow") == []
-    assert _private.check_signatures(_keras_compat._originals) == []
+    assert _private.check_signatures(_seams._originals) == []
     assert set(_private.SIGNATURES) == {
-        path for _, path, wrap in _keras_compat._SEAMS if wrap is not None
+        path for _, path, wrap in _seams._SEAMS if wrap is not None
     }
 
 
@@ -242,7 +245,7 @@ def test_a_moved_private_attribute_fails_loudly(monkeypatch):
     monkeypatch.setattr(_private, "PRIVATE_ATTRIBUTES", table)
     assert _private.check() == ["keras.src.trainers.trainer.Trainer._no_such_state"]
     with pytest.raises(ImportError, match=r"no longer has \[.*Trainer\._no_such_state"):
-        _keras_compat.seams()
+        _seams.seams()
 
 
 def test_a_changed_signature_fails_loudly(monkeypatch):
@@ -250,7 +253,7 @@ def test_a_changed_signature_fails_loudly(monkeypatch):
         return step_function
 
     originals = {
-        **_keras_compat._originals,
+        **_seams._originals,
         "JAXTrainer._make_function": _make_function,
     }
     (changed,) = _private.check_signatures(originals)
@@ -269,13 +272,13 @@ def test_the_fence_finds_a_new_private_read(tmp_path, monkeypatch):
 
 def test_the_tables_hold_at_most_80_names():
     """The private surface: each name a place the next release can break."""
-    private = _keras_compat.private_seams()
+    private = _seams.private_seams()
     total = (
         len(private)
         + len(_private.PRIVATE_IMPORTS)
         + sum(len(names) for _, _, names in _private.PRIVATE_ATTRIBUTES)
         + sum(len(names) or 1 for _, _, names in _private.TF_PRIVATE_ATTRIBUTES)
-        + len(_keras_compat.JAX_PRIVATE)
+        + len(_seams.JAX_PRIVATE)
     )
     assert total <= 80
     page = (_PACKAGE.parent / "docs" / "design.md").read_text()
@@ -285,7 +288,7 @@ def test_the_tables_hold_at_most_80_names():
 def test_the_design_page_gives_the_counts_of_the_tables():
     page = (_PACKAGE.parent / "docs" / "design.md").read_text()
     text = " ".join(page.split())
-    private = _keras_compat.private_seams()
+    private = _seams.private_seams()
     wrapped = sum(1 for _, _, wrap in private if wrap is not None)
     read = sum(1 for _, _, wrap in private if wrap is None)
     attributes = sum(len(names) for _, _, names in _private.PRIVATE_ATTRIBUTES)
@@ -295,7 +298,7 @@ def test_the_design_page_gives_the_counts_of_the_tables():
         f"{len(_private.PRIVATE_IMPORTS)} names imported from private modules",
         f"{attributes} private attributes of Keras and JAX objects and "
         f"{tf_names} of tf.data's",
-        f"{len(_keras_compat.JAX_PRIVATE)} private JAX names",
+        f"{len(_seams.JAX_PRIVATE)} private JAX names",
     ):
         assert phrase in text, phrase
 
@@ -353,10 +356,10 @@ def test_no_module_reads_a_private_attribute_of_another_packages_object():
 
 def test_a_seam_reading_a_strategys_private_attribute_is_found():
     trees = _trees()
-    probe = _PACKAGE / "_keras_compat" / "_probe.py"
+    probe = _PACKAGE / "_seams" / "_probe.py"
     trees[probe] = ast.parse("def f(strategy):\n    return strategy._state_layout\n")
     assert _cross_package_reads(trees) == [
-        "keras_dist/_keras_compat/_probe.py:2: strategy._state_layout"
+        "keras_dist/_seams/_probe.py:2: strategy._state_layout"
     ]
 
 

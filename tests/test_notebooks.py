@@ -29,7 +29,7 @@ from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
-from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
+from keras_dist.tpu._mesh import tpu_device_order
 from tests._tpu_fakes import fake_tpu_devices
 from tests.as_installed.sitecustomize import installed as brought_by
 

@@ -4,8 +4,8 @@ import keras
 import pytest
 from jax._src import xla_bridge
 
-from keras_dist import _keras_compat
-from keras_dist._keras_compat import JAX_PRIVATE, KERAS_HOOKS
+from keras_dist import _seams
+from keras_dist._seams import JAX_PRIVATE, KERAS_HOOKS
 
 
 def _owner_of(cls, name):
@@ -13,7 +13,7 @@ def _owner_of(cls, name):
 
 
 def test_seams_lists_jax_names_and_keras_hooks():
-    found = _keras_compat.seams()
+    found = _seams.seams()
     for module, path in (*JAX_PRIVATE, *KERAS_HOOKS):
         assert f"{module}.{path}" in found
     hook = found["keras.distribution.DataParallel.num_processes"]
@@ -29,7 +29,7 @@ def test_a_moved_keras_hook_fails_loudly(monkeypatch):
         r"3\.16\.0\.dev2026102704; .*no longer has "
         r"\[.*num_processes.*Install `keras>=3\.15,<3\.17`",
     ):
-        _keras_compat.seams()
+        _seams.seams()
 
 
 def test_a_moved_private_jax_name_fails_loudly(monkeypatch):
@@ -37,9 +37,9 @@ def test_a_moved_private_jax_name_fails_loudly(monkeypatch):
     with pytest.raises(
         ImportError, match=r"checked against JAX 0\.10\.x.*xla_bridge\._backends"
     ):
-        _keras_compat.seams()
+        _seams.seams()
 
 
 def test_the_jax_coordination_client_attribute_is_there():
-    state = _keras_compat.seams()["jax._src.distributed.global_state"]
+    state = _seams.seams()["jax._src.distributed.global_state"]
     assert hasattr(state, "client")  # None until the cluster is joined.

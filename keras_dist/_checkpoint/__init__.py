@@ -1,7 +1,10 @@
-"""Checkpoints: the one save pipeline (`pipeline.py`) and the callbacks that
-use it (`model_checkpoint.py`, `backup_and_restore.py`), writing three
-formats through the libraries made for them: `.weights.h5` / `.keras` by
-Keras's own saving code (`_keras_compat/_saving.py`), Orbax checkpoints in
-`keras.callbacks.OrbaxCheckpoint`'s layout (`orbax_store.py`), and the
-`checkpoint` index (`lookup.py`).
+"""The checkpoint wing, read top to bottom: the save pipeline, the engines.
+
+`pipeline.py` takes a callback's save (`keras_dist/callbacks/`: the
+callbacks are where a reader looks for them) through one writer to one of
+two engines, one a format: `keras_files.py` (Keras's `.weights.h5` /
+`.keras`, written by Keras's own `H5IOStore` through h5py) and
+`orbax_store.py` (Orbax checkpoints in `keras.callbacks.OrbaxCheckpoint`'s
+layout). Both take their snapshot on the devices with `freeze.py`. One keep
+policy, Orbax's, serves both.
 """

@@ -1,11 +1,19 @@
-"""A Keras file (`.weights.h5`, `.keras`, ...) saved by every process, written once.
+"""The engine of Keras's files (`.weights.h5`, `.keras`): snapshot, write, commit.
 
-With several processes every process runs the same program, so each calls
-`model.save_weights(path)`, `model.save(path)` or `keras.saving.save_model`
-(the seam `_keras_compat/_save_calls.py` sends those here), and
-`ModelCheckpoint` saves on each. Keras alone would have every process write
-the same file: h5py's lock refuses the second writer; two processes write
-one zip at once. `save_once` makes it one save, as one process does it:
+- `snapshot(model, with_config)` (on the training thread): Keras's saving
+  walk (`_private_api/_keras_saving.record`), every value frozen
+  (`freeze.py`). `write(snapshot, path)` (on any thread): the walk replayed
+  into Keras's own `H5IOStore` (h5py writes the bytes) under a temporary
+  name, fsynced, renamed (`atomic_write`): a crash leaves the previous file.
+  `ModelCheckpoint` saves this way, on the pipeline's writer thread or on
+  the training thread.
+- `save_once`: a file saved by every process, written once. With several
+  processes every process runs the same program, so each calls
+  `model.save_weights(path)`, `model.save(path)` or `keras.saving.save_model`
+  (the seam `_seams/_save_calls.py` sends those here). Keras alone would have
+  every process write the same file: h5py's lock refuses the second writer;
+  two processes write one zip at once. `save_once` makes it one save, as one
+  process does it:
 
 1. **Every process is saving.** The processes agree (an exchange with the
    call-agreement timeout, `CommunicationOptions.timeout_seconds`); a
@@ -13,10 +21,8 @@ one zip at once. `save_once` makes it one save, as one process does it:
    once (`if strategy.is_chief: model.save(...)` is an error, not a wait
    in a gather that never ends).
 2. **The chief writes.** Every process takes Keras's saving walk and the
-   gathers of values split across processes (the save pipeline's snapshot,
-   `_keras_compat/_saving.snapshot`); the chief (process 0) writes it
-   through Keras's `H5IOStore` (`write_snapshot`) under a temporary name,
-   renamed when complete (`atomic_write`). A format the snapshot does not
+   gathers of values split across processes (`snapshot`); the chief
+   (process 0) writes it (`write`). A format the snapshot does not
    write (legacy `.h5`, sharded `.weights.json`, an unzipped or `hf://`
    model, or a file Keras would ask before overwriting) is Keras's own
    function on every process, the others writing into a scratch directory
@@ -27,20 +33,155 @@ one zip at once. `save_once` makes it one save, as one process does it:
 With one process it is `atomic_write` around Keras's own function.
 """
 
+import contextlib
+import datetime
+import json
 import os
+import pathlib
+import re
 import tempfile
+import time
+import uuid
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from keras_dist._checkpoint.pipeline import atomic_write
-from keras_dist._keras_compat._saving import snapshot, write_snapshot
+from keras_dist._checkpoint.freeze import freeze, prepare
+from keras_dist._private_api._keras_saving import (
+    Snapshot,
+    record,
+    reusable,
+    write_snapshot,
+)
 from keras_dist.cluster import _sync
 from keras_dist.errors import CheckpointWriteError
 
-__all__ = ["save_once", "written_everywhere"]
+__all__ = [
+    "SUFFIXES",
+    "Snapshot",
+    "atomic_write",
+    "atomic_write_json",
+    "prepare_snapshot",
+    "record",
+    "remove_stale_temps",
+    "reusable",
+    "save_once",
+    "snapshot",
+    "write",
+    "write_snapshot",
+    "written_everywhere",
+]
+
+# Snapshot --------------------------------------------------------------------
+
+
+def snapshot(
+    model,
+    *,
+    with_config: bool,
+    recorded: Snapshot | None = None,
+    copy_local: bool = True,
+) -> Snapshot:
+    """The state `model.save_weights` (or `model.save`) would write, frozen.
+
+    `recorded`: a `reusable` record of this model, to skip Keras's walk.
+    `copy_local=False`: only take part in the gathers (see `freeze`).
+    """
+    if recorded is None:
+        recorded = record(model, with_config=with_config)
+    keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
+    frozen = freeze([recorded.entries[i][2][k] for i, k in keys], copy_local=copy_local)
+    entries: list[tuple[str, Any, dict[str, Any]]] = [
+        (path, metadata, {}) for path, metadata, _ in recorded.entries
+    ]
+    for (i, k), value in zip(keys, frozen, strict=True):
+        entries[i][2][k] = value
+    metadata = recorded.metadata_json
+    if metadata is not None:  # Saved now, not when the walk was recorded.
+        metadata = json.dumps(
+            json.loads(metadata)
+            | {"date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")}
+        )
+    return Snapshot(
+        entries=entries,
+        config_json=recorded.config_json,
+        metadata_json=metadata,
+        assets_dir=recorded.assets_dir,
+        nbytes=sum(int(v.nbytes) for v in frozen),
+        # A kept walk's assets serve its later snapshots too.
+        owns_assets=not reusable(recorded),
+    )
+
+
+def prepare_snapshot(recorded: Snapshot) -> None:
+    """Compiles the copies `snapshot(..., recorded=recorded)` dispatches."""
+    prepare(recorded.values())
+
+
+def write(snap: Snapshot, path: str) -> None:
+    """Writes `snap` to `path` (atomically) and releases it."""
+    try:
+        atomic_write(path, lambda p: write_snapshot(snap, p))
+    finally:
+        snap.release()
+
+
+# Atomic commit ---------------------------------------------------------------
+
+# `atomic_write`'s temporary names: `.tmp-<12 hex digits>-<final name>`.
+_TEMP = re.compile(r"^\.tmp-[0-9a-f]{12}-.+$")
+# Temporary files older than this (before any write of this process) were
+# left by an interrupted earlier run.
+_STARTED = time.time()
+
+
+def atomic_write(final_path: str, write: Callable[[str], object]) -> None:
+    """Calls `write(tmp_path)`, fsyncs, then renames `tmp_path` to `final_path`.
+
+    The temporary file sits in the same directory and ends with the same
+    name (format checks on the suffix pass); a crash before the rename
+    leaves the previous `final_path` untouched.
+    """
+    directory, name = os.path.split(os.path.abspath(final_path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex[:12]}-{name}")
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final_path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+
+
+def atomic_write_json(final_path: str, payload: Any) -> None:
+    """`payload` as JSON at `final_path`, written as `atomic_write` writes."""
+    text = json.dumps(payload, indent=1)
+    atomic_write(final_path, lambda path: pathlib.Path(path).write_text(text))
+
+
+def remove_stale_temps(directory: str) -> list[str]:
+    """Removes `atomic_write`'s temporary files an interrupted run left (named
+    as it names them, last modified before this process started)."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if not (_TEMP.match(entry.name) and entry.is_file(follow_symlinks=False)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat(follow_symlinks=False).st_mtime < _STARTED:
+                    os.remove(entry.path)
+                    removed.append(entry.path)
+    return removed
+
+
+# Saved by every process, written once ----------------------------------------
 
 _SINGLE_FILES = (".weights.h5", ".keras", ".h5", ".hdf5")
+# The files `ModelCheckpoint` writes (and `latest_checkpoint` finds).
+SUFFIXES = (".weights.h5", ".keras", ".h5")
 
 
 def save_once(
@@ -131,8 +272,7 @@ def written_everywhere(
 def _write_snapshot(model, path: str, *, weights_only: bool, chief: bool) -> None:
     """Every process: the walk and the gathers; the chief: the file."""
     snap = snapshot(model, with_config=not weights_only, copy_local=chief)
-    try:
-        if chief:
-            atomic_write(path, lambda p: write_snapshot(snap, p))
-    finally:
+    if chief:
+        write(snap, path)
+    else:
         snap.release()

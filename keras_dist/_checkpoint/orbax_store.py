@@ -1,28 +1,29 @@
-"""`OrbaxStore`: a model's numbered Orbax checkpoints, and loading them.
+"""The engine of Orbax checkpoints: a model's numbered steps, and loading them.
 
-One store for `BackupAndRestore`, `ModelCheckpoint(sharded=True)` and
-`PreemptionCheckpointHandler`, with one process or many, through Orbax's
-`training.Checkpointer` (its v1 API) in `keras.callbacks.OrbaxCheckpoint`'s
-layout: a directory per step, the checkpointable `pytree` holding
-`model.get_state_tree()`'s groups (`model_config` and `assets` beside it
-for a full model), which Keras's `load_model` / `load_weights` read, plus
-`keras_dist`: the variables' paths in the model's order (a load need not
-match names) and, for a backup, where training stood (`meta`).
+One engine for `BackupAndRestore`, `ModelCheckpoint(sharded=True)` and
+`PreemptionCheckpointHandler` (through the pipeline's `OrbaxSaves`), with
+one process or many, through Orbax's `training.Checkpointer` (its v1 API)
+in `keras.callbacks.OrbaxCheckpoint`'s layout: a directory per step, the
+checkpointable `pytree` holding `model.get_state_tree()`'s groups
+(`model_config` and `assets` beside it for a full model), which Keras's
+`load_model` / `load_weights` read, plus `keras_dist`: the variables' paths
+in the model's order (a load need not match names) and, for a backup, where
+training stood (`meta`).
 
-Orbax does the work. With one process, a snapshot on the devices
-(`pipeline.freeze`) is saved by Orbax's save on the writer thread (its
-asynchronous save would copy the state to the host first, waiting for
-every step dispatched). With several, Orbax's asynchronous save copies
-the state to the host and returns (each process its own parts, nothing
-gathered). Orbax writes, commits a step by a rename once every process has written
-(barriers through JAX's coordination service from its threads), keeps
-what the preservation policy says and deletes half-written steps. Its
-error reaches the training thread through `pipeline.Writer`. Arrays are
-written uncompressed (a trained float state's bytes look random: zstd
-saves few of them and adds much of a write's CPU time, which the host
-shares with training); with one process, without
-replica-parallel slicing (a device copy per replica of each replicated
-value, for nothing).
+Orbax does the work: it writes, commits a step by a rename once every
+process has written (barriers through JAX's coordination service from its
+threads), keeps what the preservation policy says (`keep_policy`: Orbax's
+policy objects, which `ModelCheckpoint`'s files follow too) and deletes
+half-written steps. With one process a save is Orbax's synchronous save of
+a snapshot on the devices (`freeze.py`; `save`, run on the pipeline's
+writer thread): Orbax's asynchronous save would copy the state to the host
+first, waiting for every step dispatched. With several, Orbax's
+asynchronous save copies the state to the host and returns (`save_async`:
+each process its own parts, nothing gathered). Arrays are written
+uncompressed (a trained float state's bytes look random: zstd saves few of
+them and adds much of a write's CPU time, which the host shares with
+training); with one process, without replica-parallel slicing (a device
+copy per replica of each replicated value, for nothing).
 """
 
 import functools
@@ -30,17 +31,18 @@ import json
 import os
 import threading
 import zlib
+from typing import Any
 
 import jax
 import numpy as np
 
-from keras_dist._checkpoint.pipeline import Pending, Writer, freeze, prepare
-from keras_dist._keras_compat import _private
-from keras_dist._keras_compat._orbax_private import without_preemption_queries
+from keras_dist._checkpoint.freeze import freeze, prepare
+from keras_dist._private_api import _private
+from keras_dist._private_api._orbax_private import without_preemption_queries
 from keras_dist._version import __version__
 from keras_dist.errors import IncompatibleBackupError
 
-__all__ = ["OrbaxStore", "committed_steps", "restore"]
+__all__ = ["OrbaxStore", "committed_steps", "keep_policy", "preserved", "restore"]
 
 _ONE_ORBAX_SAVE = threading.Lock()
 
@@ -75,8 +77,28 @@ def _ocp():
     return ocp.v1
 
 
+def keep_policy(max_to_keep: int | None, keep_period: int | None):
+    """Orbax's preservation policy for `max_to_keep` / `keep_period`: the
+    newest `max_to_keep` checkpoints and every step that is a multiple of
+    `keep_period` (neither: every step kept)."""
+    policies = _ocp().training.preservation_policies
+    kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
+    if keep_period:
+        kept.append(policies.EveryNSteps(keep_period))
+    if len(kept) > 1:
+        return policies.AnyPreservationPolicy(kept)
+    return kept[0] if kept else policies.PreserveAll()
+
+
+def preserved(policy: Any, checkpoints: list) -> list[bool]:
+    """Which of `checkpoints` (oldest first; each with `step` and `time`)
+    `policy` keeps."""
+    context = _ocp().training.preservation_policies.PreservationContext()
+    return list(policy.should_preserve(checkpoints, context=context))
+
+
 class _Saving:
-    """Orbax's save in flight, as `pipeline.Writer` watches one."""
+    """Orbax's save in flight, as the pipeline's `Writer` watches one."""
 
     def __init__(self, checkpointer):
         self._checkpointer = checkpointer
@@ -89,28 +111,14 @@ class _Saving:
 
 
 class OrbaxStore:
-    """Numbered Orbax checkpoints of a model in `directory`; one save in flight.
+    """Numbered Orbax checkpoints of a model in `directory`.
 
-    `max_to_keep` / `keep_period`: Orbax's preservation policies (neither:
-    every step kept). `async_save=False` waits for each save to be
-    committed. `owner` and `what` ("backup") name them in errors.
+    `keep`: Orbax's preservation policy (`keep_policy`). `owner` names the
+    store's barriers.
     """
 
-    def __init__(
-        self,
-        directory: str,
-        *,
-        owner: str,
-        what: str = "checkpoint",
-        async_save: bool = True,
-        max_to_keep: int | None = None,
-        keep_period: int | None = None,
-    ):
+    def __init__(self, directory: str, *, owner: str, keep: Any):
         ocp = _ocp()
-        policies = ocp.training.preservation_policies
-        kept = [policies.LatestN(max_to_keep)] if max_to_keep else []
-        if keep_period:
-            kept.append(policies.EveryNSteps(keep_period))
         # Two stores saving at once in several processes (a backup and a
         # sharded checkpoint at the same step) each run Orbax's barriers from
         # their commit threads: Orbax's documented prefix keeps them apart.
@@ -130,15 +138,10 @@ class OrbaxStore:
         saving.use_compression = False
         saving.use_replica_parallel = jax.process_count() > 1
         self.directory = directory
-        self.async_save = async_save
         self._checkpointer = ocp.training.Checkpointer(
             directory,
             context=context,
-            preservation_policy=(
-                policies.AnyPreservationPolicy(kept)
-                if len(kept) > 1
-                else (kept[0] if kept else policies.PreserveAll())
-            ),
+            preservation_policy=keep,
             save_decision_policy=ocp.training.save_decision_policies.FixedIntervalPolicy(
                 1
             ),
@@ -151,18 +154,7 @@ class OrbaxStore:
         # keras_dist's SIGTERM handler, not the service, sees its preemption).
         if jax.process_count() > 1:
             without_preemption_queries(self._checkpointer)
-        self.what = what
-        self._writer = Writer(
-            owner,
-            f"The previous {what} in {directory} is intact."
-            if what == "backup"
-            else f"The earlier {what}s in {directory} are intact.",
-        )
         self._refuse_earlier_formats()
-
-    @property
-    def pending(self) -> bool:
-        return self._writer.pending
 
     def prepare(self, model, groups: tuple = tuple(GROUPS)) -> None:
         """Compiles the copies a save of `groups` dispatches, now (when `fit`
@@ -178,19 +170,16 @@ class OrbaxStore:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(
+    def payload(
         self,
         model,
-        step: int,
         *,
         groups: tuple = tuple(GROUPS),
         files: dict | None = None,
         meta: dict | None = None,
-    ) -> str | None:
-        """Saves `groups` of `model`'s state tree as `step` (with `files`:
-        Keras's JSON and assets; with `meta`: a backup's); returns its
-        directory, or None if that step is saved already (an epoch's end
-        right after a save)."""
+    ) -> dict:
+        """What a save of `groups` of `model`'s state tree writes (with
+        `files`: Keras's JSON and assets; with `meta`: a backup's)."""
         state = model.get_state_tree()
         paths = {g: [v.path for v in GROUPS[g](model)] for g in groups}
         record = {
@@ -203,52 +192,30 @@ class OrbaxStore:
         payload = {"pytree": {g: state[g] for g in groups}, ORDER: record}
         if files:
             payload.update(files)
-        self._writer.wait()  # One save in flight (and its error raised).
-        if step in self.steps():
-            return None
-        path = os.path.join(self.directory, str(step))
-        self._writer.submit(
-            f"the {self.what} of step {step} to {path}",
-            lambda: self._start(step, payload),
-        )
-        if not self.async_save:
-            self._writer.wait()
-        return path
+        return payload
 
-    def _start(self, step: int, payload: dict) -> Pending:
-        if jax.process_count() == 1:
-            # Orbax's asynchronous save copies the state to the host before
-            # it returns: a wait for every step dispatched (`python
-            # benchmarks/save_cost.py` times a save's parts). A snapshot on
-            # the devices instead, and
-            # Orbax's save on the writer thread. (Several processes: Orbax's
-            # save runs collectives, kept on the training thread.)
-            leaves, tree = jax.tree.flatten(payload["pytree"])
-            payload["pytree"] = jax.tree.unflatten(tree, freeze(leaves))
-            return self._writer.in_background(lambda: self._save(step, payload))
-        self._checkpointer.save_checkpointables_async(step, payload)
-        return _Saving(self._checkpointer)
+    def frozen(self, payload: dict) -> dict:
+        """`payload` with its state as a snapshot on the devices (one
+        process: `save` then writes it on another thread)."""
+        leaves, tree = jax.tree.flatten(payload["pytree"])
+        return payload | {"pytree": jax.tree.unflatten(tree, freeze(leaves))}
 
-    def _save(self, step: int, payload: dict) -> None:
+    def save(self, step: int, payload: dict) -> None:
+        """Orbax's synchronous save of `payload` as `step` (a `frozen` one)."""
         # Orbax's saves share process-wide state (its operation ids, the
         # temporary directories they name): two at once from two writer
         # threads (a backup and a sharded checkpoint of one step) collide.
         with _ONE_ORBAX_SAVE:
             self._checkpointer.save_checkpointables(step, payload)
 
-    def check(self) -> None:
-        """Raises the error of a save that failed; never waits."""
-        self._writer.check()
-
-    def wait(self) -> None:
-        """Waits until the save in flight is committed (raises its error)."""
-        self._writer.wait()
+    def save_async(self, step: int, payload: dict) -> _Saving:
+        """Orbax's asynchronous save (several processes: it runs collectives,
+        on the training thread); the returned save is in flight."""
+        self._checkpointer.save_checkpointables_async(step, payload)
+        return _Saving(self._checkpointer)
 
     def close(self) -> None:
-        try:
-            self._writer.close()
-        finally:
-            self._checkpointer.close()
+        self._checkpointer.close()
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model`; returns its meta

@@ -1,174 +1,59 @@
-"""The one save pipeline: snapshot on the devices -> one background writer ->
-atomic commit -> keep policy.
+"""The one save pipeline: callback -> pipeline -> engine.
 
-- **Snapshot** (`freeze`, on the training thread): the values to save,
-  copied on their devices by one compiled program dispatched without
-  waiting for the step computing them (the next step may donate the
-  originals), or to host memory where the devices lack room. A replicated
-  value is copied once; a value with parts on other processes is gathered
-  (a collective). With several processes Orbax's asynchronous save takes
-  its own snapshot (each process its parts).
-- **One background writer** (`Writer`): one save in flight per callback; a
-  failed write raises `kd.errors.CheckpointWriteError` (its path and
-  cause) on the training thread at the next step, save or end of `fit`.
-- **Atomic commit** (`atomic_write`): written under a temporary name,
-  fsynced, renamed (Orbax commits a step directory the same way).
-- **Keep policy**: `ModelCheckpoint`'s `max_to_keep` / `keep_period` for
-  files, Orbax's preservation policies for its directories.
+A checkpoint callback hands a save to one of two routes, each an engine's
+snapshot, one writer and the engine's commit, kept by one policy:
 
-`StepEnd` gives the callbacks the end of each training execution without
-making `fit` wait for it.
+- `KerasFileSaves` (`ModelCheckpoint`'s `.weights.h5` / `.keras` files):
+  the Keras-file engine's snapshot on the training thread
+  (`keras_files.snapshot`), its write on the writer thread
+  (`keras_files.write`: atomic), then the keep policy and the `checkpoint`
+  index. Synchronous (`async_save=False`) is the same route without the
+  thread.
+- `OrbaxSaves` (`BackupAndRestore`, `ModelCheckpoint(sharded=True)`,
+  `PreemptionCheckpointHandler`): the Orbax engine (`orbax_store.py`), its
+  save on the writer thread with one process, Orbax's asynchronous save
+  with several.
+
+`Writer`: one save in flight per callback; a failed write raises
+`kd.errors.CheckpointWriteError` (its path and cause) on the training
+thread at the next step, save or end of `fit`. The keep policy is Orbax's
+(`orbax_store.keep_policy`): Orbax applies it to its steps, `KerasFileSaves`
+to its files.
 """
 
 import concurrent.futures
 import contextlib
-import functools
-import math
+import dataclasses
+import datetime
 import os
-import re
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-from jax import lax
-from jax.experimental import multihost_utils
 
+from keras_dist._checkpoint import keras_files
+from keras_dist._checkpoint.orbax_store import (
+    GROUPS,
+    OrbaxStore,
+    keep_policy,
+    preserved,
+)
 from keras_dist.errors import CheckpointWriteError
 
 __all__ = [
-    "Pending",
-    "StepEnd",
+    "STATE_FILE",
+    "KerasFileSaves",
+    "OrbaxSaves",
     "Writer",
-    "atomic_write",
     "check_writable_dir",
-    "freeze",
-    "prepare",
-    "remove_stale_temps",
 ]
 
-# Snapshot --------------------------------------------------------------------
+# `KerasFileSaves`'s index of its files, newest last.
+STATE_FILE = "checkpoint"
 
 
-@functools.lru_cache(maxsize=1024)
-def _addressable_devices(sharding: jax.sharding.Sharding) -> tuple:
-    return tuple(sharding.addressable_devices)
-
-
-def _room_on_devices(values: list) -> bool:
-    """Whether every device has room for a copy of its parts of `values`
-    (devices that report no memory statistics, CPU's, are taken to)."""
-    need: dict = {}
-    for v in values:
-        part = math.prod(v.sharding.shard_shape(v.shape)) * np.dtype(v.dtype).itemsize
-        for device in _addressable_devices(v.sharding):
-            need[device] = need.get(device, 0) + part
-    for device, nbytes in need.items():
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if not stats or "bytes_limit" not in stats:
-            continue
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        if nbytes > 0.9 * free:
-            return False
-    return True
-
-
-# A sharding -> the index, among a replicated value's addressable parts, of
-# its part on this process's first device: looked up once per sharding.
-_FIRST_REPLICA: dict = {}
-
-
-def _first_replica(a: jax.Array) -> jax.Array:
-    """`a`'s replica on this process's first device (no copy, no wait)."""
-    index = _FIRST_REPLICA.get(a.sharding)
-    if index is None:
-        first = min(_addressable_devices(a.sharding), key=lambda d: d.id)
-        index = [s.device for s in a.addressable_shards].index(first)
-        if len(_FIRST_REPLICA) >= 1024:
-            _FIRST_REPLICA.clear()
-        _FIRST_REPLICA[a.sharding] = index
-    return a.addressable_data(0) if index == 0 else a.addressable_shards[index].data
-
-
-@jax.jit
-def _copy(arrays: list) -> list:
-    """New buffers with the values of `arrays`, laid out alike (a compiled
-    program: dispatched without waiting for `arrays` to be computed).
-
-    The zero added goes through an optimization barrier so that the adds
-    stay adds: XLA:CPU runs a program estimated under 1000 flops inline, on
-    the calling thread, once its inputs are ready; plain copies count 0
-    flops, and the training thread then waited for the whole copy."""
-    return [a + lax.optimization_barrier(jnp.zeros((), a.dtype)) for a in arrays]
-
-
-def _plan(values: list) -> tuple[list, list, list]:
-    """`freeze`'s plan: the values to copy (a replicated value's first
-    replica; a value split over processes gathered to NumPy now), and the
-    groups `(copied on the devices, members)`: one compiled copy per set of
-    devices; values kept in host memory go to NumPy."""
-    values = [v.value if isinstance(v, keras.Variable) else v for v in values]
-    out = list(values)
-    by_devices: dict = {}
-    for i, v in enumerate(values):
-        if not isinstance(v, jax.Array):
-            continue
-        if not v.is_fully_addressable:
-            out[i] = np.asarray(multihost_utils.process_allgather(v, tiled=True))
-            continue
-        if v.is_fully_replicated and len(v.sharding.device_set) > 1:
-            values[i] = v = _first_replica(v)
-        on_device = getattr(v.sharding, "memory_kind", None) in (None, "device")
-        key = (frozenset(d.id for d in v.sharding.device_set), on_device)  # type: ignore[attr-defined]
-        by_devices.setdefault(key, []).append(i)
-    groups = [
-        (on_device and _room_on_devices([values[i] for i in members]), members)
-        for (_, on_device), members in by_devices.items()
-    ]
-    return values, out, groups
-
-
-def freeze(values: list, *, copy_local: bool = True) -> list:
-    """`values` (variables or arrays) frozen without waiting for them: device
-    copies, or host arrays. Values split over processes are gathered (every
-    process must call this with the same values in the same order);
-    `copy_local=False` (a process that writes nothing) only takes part in
-    those gathers."""
-    values, out, groups = _plan(values)
-    if not copy_local:
-        return out
-    for on_device, members in groups:
-        group = [values[i] for i in members]
-        if on_device:
-            copies = _copy(group)
-        else:
-            for a in group:
-                a.copy_to_host_async()
-            copies = [np.array(a, copy=True) for a in group]
-        for i, copy in zip(members, copies, strict=True):
-            out[i] = copy
-    return [v if isinstance(v, (jax.Array, np.ndarray)) else np.asarray(v) for v in out]
-
-
-def prepare(values: list) -> None:
-    """Compiles the copies `freeze(values)` dispatches, copying nothing: when
-    `fit` begins, not on the training thread at the first save (a
-    compilation for each layout and size). Values with parts on other
-    processes are left to the save (their gathers are collectives)."""
-    plain = [v.value if isinstance(v, keras.Variable) else v for v in values]
-    if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in plain):
-        return
-    values, _, groups = _plan(plain)
-    for on_device, members in groups:
-        if on_device:
-            _copy.lower([values[i] for i in members]).compile()
-
-
-# One background writer -------------------------------------------------------
+# One writer ------------------------------------------------------------------
 
 
 class Pending(Protocol):
@@ -185,13 +70,14 @@ class Writer:
 
     `submit(path, start)` first waits for the save in flight (its error
     raised), then calls `start()`, which begins the write and returns it
-    (`Pending`). `write(path, fn)` runs `fn` on this writer's thread. A
+    (`Pending`). `write(path, fn)` runs `fn` on this writer's thread, or
+    with `background=False` at once (then `submit` waits too). A
     write's error is raised as `CheckpointWriteError` (naming its path and
     cause, and `kept`) by the next `check`, `submit`, `wait` or `close`.
     """
 
-    def __init__(self, owner: str, kept: str):
-        self.owner, self.kept = owner, kept
+    def __init__(self, owner: str, kept: str, *, background: bool = True):
+        self.owner, self.kept, self.background = owner, kept, background
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: Pending | None = None
         self._path = ""
@@ -204,6 +90,8 @@ class Writer:
         self.wait()
         self._path = path
         self._pending = start()
+        if not self.background:
+            self.wait()
 
     def write(self, path: str, fn: Callable[[], object]) -> None:
         """Runs `fn` on this writer's thread (after the save in flight)."""
@@ -211,6 +99,13 @@ class Writer:
 
     def in_background(self, fn: Callable[[], object]) -> Pending:
         """Starts `fn` on this writer's thread (a `start` of `submit`)."""
+        if not self.background:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                done.set_result(fn())
+            except Exception as error:
+                done.set_exception(error)
+            return done
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="keras_dist-checkpoint"
@@ -244,15 +139,6 @@ class Writer:
                 self._executor = None
 
 
-# Atomic commit -----------------------------------------------------------------
-
-# `atomic_write`'s temporary names: `.tmp-<12 hex digits>-<final name>`.
-_TEMP = re.compile(r"^\.tmp-[0-9a-f]{12}-.+$")
-# Temporary files older than this (before any write of this process) were
-# left by an interrupted earlier run.
-_STARTED = time.time()
-
-
 def check_writable_dir(path: str, *, argument: str) -> str:
     """Creates `path` if needed and proves it is writable, or raises now.
 
@@ -275,113 +161,244 @@ def check_writable_dir(path: str, *, argument: str) -> str:
     return directory
 
 
-def atomic_write(final_path: str, write: Callable[[str], object]) -> None:
-    """Calls `write(tmp_path)`, fsyncs, then renames `tmp_path` to `final_path`.
-
-    The temporary file sits in the same directory and ends with the same
-    name (format checks on the suffix pass); a crash before the rename
-    leaves the previous `final_path` untouched.
-    """
-    directory, name = os.path.split(os.path.abspath(final_path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex[:12]}-{name}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, final_path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+# Keras's files ---------------------------------------------------------------
 
 
-def remove_stale_temps(directory: str) -> list[str]:
-    """Removes `atomic_write`'s temporary files an interrupted run left (named
-    as it names them, last modified before this process started)."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(directory):
-            if not (_TEMP.match(entry.name) and entry.is_file(follow_symlinks=False)):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                if entry.stat(follow_symlinks=False).st_mtime < _STARTED:
-                    os.remove(entry.path)
-                    removed.append(entry.path)
-    return removed
+@dataclasses.dataclass
+class _Kept:
+    """A file written, as Orbax's policies read a checkpoint."""
+
+    path: str
+    epoch: int
+    step: int
+    time: datetime.datetime
+    metrics: dict | None = None
 
 
-# A step's end, without a wait ------------------------------------------------
+class KerasFileSaves:
+    """`ModelCheckpoint`'s Keras files in `directory`: snapshot, write, keep.
 
-
-class StepEnd:
-    """The last step index of each finished training execution.
-
-    Keras's `CallbackList` (JAX backend) runs `on_train_batch_end` hooks on a
-    background thread, so the loop dispatches the next step while the
-    devices run this one, unless a callback defines that hook without
-    declaring `async_safe`: then every step waits for its logs. A
-    checkpoint callback needs the training thread, not the logs: it calls
-    `begin(batch)` from `on_train_batch_begin` and `epoch_end()` from
-    `on_epoch_end`, each returning the last step index (in the epoch) of
-    the execution (`steps_per_execution` steps) that finished since, or
-    None; `reset()` from `on_epoch_begin`. The model's state there is the
-    one that execution left.
-
-    It also counts the steps this `fit` ran on the host, from the number
-    `start` is given (`step`), so a save numbered by them need not read the
-    optimizer's counter (which waits for every step dispatched). An epoch's
-    short last execution counts to the epoch's end where the number of
-    steps is known, as planned where it is not (as Keras's callbacks count).
+    Only the chief (`chief=True`: process 0) writes; with several processes
+    every process takes the snapshot's gathers. `loadable(model)` is a
+    context in which Keras's walk saves a model loadable without keras_dist
+    (its plain learning rate). `max_to_keep` / `keep_period`: Orbax's keep policy.
     """
 
-    def __init__(self) -> None:
-        self._running: int | None = None  # The running execution's last step.
-        self._first: int | None = None  # The epoch's first step in this fit.
-        self._last: int | None = None  # The epoch's latest execution's last step.
-        self._before = 0  # Steps of this fit's earlier epochs.
-        self._steps: int | None = None  # Steps per epoch, if known.
-        self._base = 0  # The step number `fit` began at.
-        self._call: Any = None  # The running call's `CallState`.
-
-    def start(self, steps_per_epoch: int | None, first_step: int, call=None) -> None:
-        """A new `fit` (from `on_train_begin`, with `params["steps"]`, the step
-        number it begins at and its `CallState`): counts from there."""
-        self._running = self._first = self._last = None
-        self._before = 0
-        self._steps = steps_per_epoch
-        self._base = first_step
-        self._call = call
-
-    def reset(self) -> None:
-        if self._first is not None and self._last is not None:
-            self._before += self._clipped(self._last) + 1 - self._first
-        self._running = self._first = self._last = None
-
-    def begin(self, batch: int) -> int | None:
-        """The execution before the one starting at `batch` ended: its last step."""
-        if self._first is None:
-            self._first = batch
-        end = None if self._call is None else self._call.last_end_step
-        finished = self._running
-        self._running = self._last = end if end is not None and end >= batch else batch
-        return finished
-
-    def epoch_end(self) -> int | None:
-        """The epoch's last execution ended (if one ran since `begin`)."""
-        finished, self._running = self._running, None
-        return finished
+    def __init__(
+        self,
+        directory: str,
+        *,
+        owner: str,
+        async_save: bool,
+        max_to_keep: int | None,
+        keep_period: int | None,
+        loadable: Callable[[Any], contextlib.AbstractContextManager],
+    ):
+        self.directory = directory
+        self._writer = Writer(
+            owner, "The previous checkpoint is intact.", background=async_save
+        )
+        self._policy = (
+            keep_policy(max_to_keep, keep_period)
+            if max_to_keep or keep_period
+            else None
+        )
+        self._loadable = loadable
+        self._kept: list[_Kept] = []
+        self._recorded: keras_files.Snapshot | None = None
 
     @property
-    def last(self) -> int | None:
-        """The last step index of the epoch's latest execution (None: none ran)."""
-        return self._last
+    def pending(self) -> bool:
+        return self._writer.pending
 
-    def step(self, through: int | None) -> int:
-        """The step number after step index `through` of this epoch (None:
-        before this epoch)."""
-        if through is None or self._first is None:
-            return self._base + self._before
-        return self._base + self._before + self._clipped(through) + 1 - self._first
+    def begin(self, model, *, with_config: bool, chief: bool) -> None:
+        """When `fit` begins: stale temporary files removed; Keras's saving
+        walk kept for this `fit` and its copies compiled (not on the training
+        thread at the first save)."""
+        if chief:  # Writes an earlier run interrupted.
+            keras_files.remove_stale_temps(self.directory)
+        self._release_walk()
+        optimizer = getattr(model, "optimizer", None)
+        if not model.built or (optimizer is not None and not optimizer.built):
+            return
+        # Every process, as a save walks (the walk may create variables).
+        with self._loadable(model):
+            walk = keras_files.record(model, with_config=with_config)
+        keras_files.prepare_snapshot(walk)
+        if keras_files.reusable(walk):
+            self._recorded = walk
+        else:
+            walk.release()
 
-    def _clipped(self, index: int) -> int:
-        return min(index, self._steps - 1) if self._steps else index
+    def save(
+        self, model, path: str, *, epoch: int, step: int, with_config: bool, chief: bool
+    ) -> None:
+        """Saves `model` to `path`: the state frozen here, written by the
+        writer (in the background unless `async_save=False`)."""
+        error = None
+        try:
+            walk = self._recorded
+            if walk is None:
+                with self._loadable(model):  # Loadable without keras_dist.
+                    walk = keras_files.record(model, with_config=with_config)
+                if keras_files.reusable(walk):
+                    self._recorded = walk
+            # Every process: values split over processes are gathered (the
+            # others copy nothing: only the chief writes).
+            snap = keras_files.snapshot(
+                model, with_config=with_config, recorded=walk, copy_local=chief
+            )
+            if not chief:
+                snap.release()
+            else:
+
+                def write() -> None:
+                    keras_files.write(snap, path)
+                    self.kept(path, epoch=epoch, step=step, chief=True)
+
+                self._writer.write(path, write)
+        except BaseException as failure:
+            if self._writer.background:
+                raise
+            error = failure
+        if not self._writer.background:  # Every process returns when written.
+            keras_files.written_everywhere(error, what=repr(path))
+
+    def kept(self, path: str, *, epoch: int, step: int, chief: bool) -> None:
+        """Adds a file the chief wrote to the index; deletes what the policy
+        drops (the other processes keep no index)."""
+        if not chief:
+            return
+        path = os.path.abspath(path)
+        self._kept = [k for k in self._kept if k.path != path]
+        now = datetime.datetime.now(datetime.UTC)
+        self._kept.append(_Kept(path, int(epoch), int(step), now))
+        if self._policy is not None:
+            keep = preserved(self._policy, self._kept)
+            for k, kept in list(zip(self._kept, keep, strict=True)):
+                if not kept:
+                    self._kept.remove(k)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(k.path)
+        self.write_index(done=False, chief=chief)
+
+    def write_index(self, *, done: bool, chief: bool) -> None:
+        """The `checkpoint` index: newest last, each file's epoch, `done`
+        (once `fit` has ended: `SidecarEvaluator`'s stop marker)."""
+        if not chief or not self._kept:
+            return
+        names = [
+            os.path.basename(k.path)
+            for k in self._kept
+            if os.path.dirname(k.path) == self.directory
+        ]
+        epochs = {os.path.basename(k.path): k.epoch for k in self._kept}
+        state = {
+            "latest": os.path.basename(self._kept[-1].path),
+            "all": names,
+            "epochs": {name: epochs[name] for name in names},
+            "done": done,
+        }
+        keras_files.atomic_write_json(os.path.join(self.directory, STATE_FILE), state)
+
+    def check(self) -> None:
+        self._writer.check()
+
+    def wait(self) -> None:
+        self._writer.wait()
+
+    def close(self) -> None:
+        """Finishes the save in flight (raises its error); idempotent."""
+        try:
+            self._writer.close()
+        finally:
+            self._release_walk()
+
+    def _release_walk(self) -> None:
+        recorded, self._recorded = self._recorded, None
+        if recorded is not None:
+            recorded.release()  # Its assets' temporary directory.
+
+
+# Orbax checkpoints -----------------------------------------------------------
+
+
+class OrbaxSaves:
+    """An `OrbaxStore`'s saves through one writer.
+
+    `what` ("backup") names them in errors; `async_save=False` waits for
+    each save to be committed.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        owner: str,
+        what: str = "checkpoint",
+        async_save: bool = True,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+    ):
+        self.store = OrbaxStore(
+            directory, owner=owner, keep=keep_policy(max_to_keep, keep_period)
+        )
+        self.what = what
+        self._writer = Writer(
+            owner,
+            f"The previous {what} in {directory} is intact."
+            if what == "backup"
+            else f"The earlier {what}s in {directory} are intact.",
+            background=async_save,
+        )
+
+    @property
+    def pending(self) -> bool:
+        return self._writer.pending
+
+    def save(
+        self,
+        model,
+        step: int,
+        *,
+        groups: tuple = tuple(GROUPS),
+        files: dict | None = None,
+        meta: dict | None = None,
+    ) -> str | None:
+        """Saves `groups` of `model`'s state tree as `step`; returns its
+        directory, or None if that step is saved already (an epoch's end
+        right after a save)."""
+        payload = self.store.payload(model, groups=groups, files=files, meta=meta)
+        self._writer.wait()  # One save in flight (and its error raised).
+        if step in self.store.steps():
+            return None
+        path = os.path.join(self.store.directory, str(step))
+        label = f"the {self.what} of step {step} to {path}"
+        if jax.process_count() == 1:
+            # Orbax's asynchronous save copies the state to the host before
+            # it returns: a wait for every step dispatched (`python
+            # benchmarks/save_cost.py` times a save's parts). A snapshot on
+            # the devices instead, and Orbax's save on the writer thread.
+            payload = self.store.frozen(payload)
+            self._writer.write(label, lambda: self.store.save(step, payload))
+        else:  # Orbax's save runs collectives: on the training thread.
+            self._writer.submit(label, lambda: self.store.save_async(step, payload))
+        return path
+
+    def restore(self, model) -> dict | None:
+        """Loads the newest readable backup into `model` (`OrbaxStore.restore`)."""
+        return self.store.restore(model)
+
+    def check(self) -> None:
+        """Raises the error of a save that failed; never waits."""
+        self._writer.check()
+
+    def wait(self) -> None:
+        """Waits until the save in flight is committed (raises its error)."""
+        self._writer.wait()
+
+    def close(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self.store.close()

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_dist._keras_compat import _access
+from keras_dist._private_api import _access
 from keras_dist.strategies._base import strategy_of_model
 
 __all__ = [

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_dist._keras_compat._access import sync_state
+from keras_dist._private_api._access import sync_state
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.callbacks._lr_control import (
     check_rate,

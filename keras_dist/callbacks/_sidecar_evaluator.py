@@ -8,10 +8,9 @@ from typing import Any
 
 import keras
 
-from keras_dist._checkpoint.lookup import Checkpoint, CheckpointWatch
-from keras_dist._checkpoint.model_checkpoint import _write_json
-from keras_dist._checkpoint.pipeline import atomic_write
+from keras_dist._checkpoint.keras_files import atomic_write, atomic_write_json
 from keras_dist._checks import check_int
+from keras_dist.callbacks._lookup import Checkpoint, CheckpointWatch
 
 __all__ = ["SidecarEvaluator"]
 
@@ -241,10 +240,7 @@ class SidecarEvaluator:
         atomic_write(copy, lambda p: shutil.copyfile(checkpoint.path, p))
         value = record["metrics"][self.monitor]
         summary = {**record, "monitor": self.monitor, "value": value}
-        atomic_write(
-            os.path.join(self.best_dir, "best.json"),
-            lambda p: _write_json(p, summary),
-        )
+        atomic_write_json(os.path.join(self.best_dir, "best.json"), summary)
 
 
 def _check_seconds(name: str, value: Any) -> None:

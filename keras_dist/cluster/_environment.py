@@ -8,7 +8,7 @@ from typing import Any
 
 import hostlist
 
-from keras_dist._keras_compat import _jax_private
+from keras_dist._private_api import _jax_private
 from keras_dist.cluster._resolver import (
     ClusterResolver,
     SimpleClusterResolver,

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 
 from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
-from keras_dist._keras_compat import _jax_private
+from keras_dist._private_api import _jax_private
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import check_address, resolve, tell_launcher
 from keras_dist.cluster._rendezvous import roll_call

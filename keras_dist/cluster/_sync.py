@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from keras_dist._keras_compat import _jax_private
+from keras_dist._private_api import _jax_private
 from keras_dist.errors import ClusterTimeoutError, ProcessMismatchError
 
 __all__ = [

@@ -12,7 +12,7 @@ import sys
 
 import jax
 
-from keras_dist._keras_compat import _jax_private
+from keras_dist._private_api import _jax_private
 from keras_dist.errors import TPUNotFoundError
 
 __all__ = ["cloud_tpu_hosts", "full_tensorflow", "visible_tpu_devices"]

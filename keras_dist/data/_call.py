@@ -155,7 +155,7 @@ class CallState:
             execution Keras's epoch loop was handed (`steps_per_execution`
             steps end there), set before its `on_train_batch_begin`; None
             before the first. Checkpoint callbacks read it to act at a
-            step's end without a per-step hook (`_checkpoint/pipeline.StepEnd`).
+            step's end without a per-step hook (`callbacks/_step_end.StepEnd`).
     """
 
     method: str

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import optree
 
-from keras_dist.data.host._sparse import (
+from keras_dist.data._sparse import (
     is_leaf,
     is_sparse,
     map_rows,

@@ -3,7 +3,7 @@
 The input layer sits below the strategies: it imports none of them, and a
 strategy hands it its `placement` (`experimental_distribute_dataset`,
 Keras's per-pass iterator seam) — the collaborator that lays data out on
-the strategy's mesh (`strategies/devices/_placement.py`). What the input layer may
+the strategy's mesh (`strategies/placement/_placement.py`). What the input layer may
 use is declared here, and nothing else of a strategy.
 """
 

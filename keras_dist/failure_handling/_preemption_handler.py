@@ -12,8 +12,8 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.orbax_store import GROUPS, OrbaxStore
-from keras_dist._checkpoint.pipeline import check_writable_dir
+from keras_dist._checkpoint.orbax_store import GROUPS
+from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import resolve
@@ -52,7 +52,7 @@ class _ModelState:
         # Synchronous: it saves right before the process exits, which must
         # wait for the files anyway (with a grace period, its first save
         # waits too: a few runs of training are not worth a second road).
-        self._store = OrbaxStore(
+        self._store = OrbaxSaves(
             directory,
             owner="PreemptionCheckpointHandler",
             what="backup",

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from keras_dist._keras_compat._hooks import BatchNormalizationHooks
+from keras_dist._private_api._hooks import BatchNormalizationHooks
 from keras_dist.data import _replica_rows
 from keras_dist.data._replica_rows import ReplicaRows
 from keras_dist.layers._replica_moments import (

@@ -9,7 +9,6 @@ from keras_dist.strategies._multi_worker import (
 )
 from keras_dist.strategies._one_device import OneDeviceStrategy
 from keras_dist.strategies._parameter_server import ParameterServerStrategy
-from keras_dist.strategies._tpu import TPUStrategy
 from keras_dist.strategies.replica._replica_context import (
     ReplicaContext,
     get_replica_context,
@@ -29,7 +28,6 @@ __all__ = [
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
-    "TPUStrategy",
     "VariableMemory",
     "get_replica_context",
 ]

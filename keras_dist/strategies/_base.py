@@ -9,18 +9,22 @@ from typing import Any
 import jax
 import keras
 
-from keras_dist._keras_compat import _access
+from keras_dist._private_api import _access
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import unjoined_cluster
-from keras_dist.data import _distributed_dataset
 from keras_dist.data._input_context import InputOptions
+from keras_dist.data.host import _distributed_dataset
 from keras_dist.errors import ProcessMismatchError, StrategyMismatchError
 from keras_dist.strategies._moved import install_moved_methods
 from keras_dist.strategies.devices._any_shape import data_layout
 from keras_dist.strategies.devices._devices import device_name
-from keras_dist.strategies.devices._mesh import build_device_mesh, made_layout_map
-from keras_dist.strategies.devices._placement import BATCH_AXIS, Pacer
-from keras_dist.strategies.devices._resident_placement import ResidentPlacement
+from keras_dist.strategies.devices._mesh import (
+    BATCH_AXIS,
+    build_device_mesh,
+    made_layout_map,
+)
+from keras_dist.strategies.placement._placement import Pacer
+from keras_dist.strategies.placement._resident_placement import ResidentPlacement
 from keras_dist.strategies.replica import _cross_replica, _run
 from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership

@@ -2,7 +2,7 @@
 
 Where Keras's JAX backend does something other than its own documentation
 says, a keras_dist strategy gives the documented meaning; the seams in
-`keras_dist/_keras_compat/` call into these modules.
+`keras_dist/_seams/` call into these modules.
 
 - `_gradient_accumulation.py`: `gradient_accumulation_steps=N` makes one
   optimizer update per N micro-batches, computed once, with schedules and

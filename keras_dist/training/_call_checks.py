@@ -1,7 +1,7 @@
 """Mistakes in a `fit`/`evaluate`/`predict`/`*_on_batch` call, refused at the call.
 
 Keras 3.15 on JAX lets these through to a confusing failure or a silently
-wrong run; the entry-point seam (`_keras_compat/_model.py`) calls `check_call`
+wrong run; the entry-point seam (`_seams/_model.py`) calls `check_call`
 before Keras starts, for plain Keras models too (a call that would have
 worked is never refused):
 
@@ -27,16 +27,16 @@ import jax
 import numpy as np
 
 from keras_dist._checks import check_int
+from keras_dist.data._tf_data import (
+    cardinality,
+    is_tf_dataset,
+    unbatched_reason,
+)
 from keras_dist.data.checks._batch_checks import (
     BatchTargets,
     missing_targets_error,
     needs_targets,
     sparse_labels,
-)
-from keras_dist.data.host._tf_data import (
-    cardinality,
-    is_tf_dataset,
-    unbatched_reason,
 )
 
 __all__ = ["check_call"]

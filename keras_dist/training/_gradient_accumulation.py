@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from keras_dist._keras_compat import _access
+from keras_dist._private_api import _access
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 
 __all__ = [

@@ -3,7 +3,7 @@
 Keras's JAX trainer compiles its steps with `jit(step, donate_argnums=0,
 ...)`, or calls them as they are (`run_eagerly=True`, `jit_compile=False`).
 Under a keras_dist strategy the seams hand every step to `StepProgram`
-(`_keras_compat/_loop.py`), which prepares it here, in one place and in
+(`_seams/_trainer.py`), which prepares it here, in one place and in
 this order, for every execution mode:
 
 1. **gather**: a device-resident batch (`data/resident/_resident_batch`) becomes its

@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist._checkpoint.orbax_store import OrbaxStore
+from keras_dist._checkpoint.pipeline import OrbaxSaves
 
 backup_dir = sys.argv[1]
 strategy = kd.MirroredStrategy()
@@ -67,7 +67,7 @@ except kd.errors.CheckpointWriteError as error:
 resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
 fresh = make()
 fresh.optimizer.build(fresh.trainable_variables)
-store = OrbaxStore(
+store = OrbaxSaves(
     backup_dir, owner="BackupAndRestore", what="backup", async_save=False
 )
 meta = store.restore(fresh)

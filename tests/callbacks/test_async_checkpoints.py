@@ -124,7 +124,7 @@ def test_a_save_in_flight_finishes_when_fit_raises(tmp_path):
     ckpt = kd.callbacks.ModelCheckpoint(str(path), save_weights_only=True, save_freq=3)
     with pytest.raises(RuntimeError, match="user stop"):
         _fit(model, ckpt, Stop())
-    assert not ckpt._writer.pending
+    assert not ckpt._saves.pending
     assert path.exists()
     make_model().load_weights(str(path))
 
@@ -140,11 +140,11 @@ def test_keep_period_and_max_to_keep(tmp_path):
     )
     _fit(model, ckpt, epochs=3)  # Saves after global steps 1..12.
     names = sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt"))
-    # Steps 4, 8 and 12 (keep_period, not counted), 10 and 11 (the newest two).
+    # Orbax's policy, as for sharded checkpoints (below): steps 4, 8 and 12
+    # (keep_period), 11 and 12 (the newest two).
     assert names == [
         "ckpt_1_4.weights.h5",
         "ckpt_2_4.weights.h5",
-        "ckpt_3_2.weights.h5",
         "ckpt_3_3.weights.h5",
         "ckpt_3_4.weights.h5",
     ]
@@ -345,7 +345,7 @@ def test_sharded_checkpoints_hold_the_model_json_and_assets(tmp_path):
     writes them."""
     import orbax.checkpoint as ocp
 
-    from keras_dist._keras_compat._saving import model_files
+    from keras_dist._private_api._keras_saving import model_files
 
     with _fsdp().scope():
         model = keras.Sequential(
@@ -415,7 +415,7 @@ def test_a_replicated_value_is_frozen_once_and_a_split_one_stays_split():
     the device memory and copying), and each device's part of a split one."""
     import jax
 
-    from keras_dist._checkpoint.pipeline import freeze
+    from keras_dist._checkpoint.freeze import freeze
 
     with kd.MirroredStrategy().scope():
         mirrored = keras.Variable(np.arange(32.0).reshape(4, 8))
@@ -442,7 +442,7 @@ def test_a_save_copy_is_not_run_inline_on_the_training_thread():
     adds must stay in the compiled program, and copy exactly."""
     import jax
 
-    from keras_dist._checkpoint.pipeline import _copy
+    from keras_dist._checkpoint.freeze import _copy
 
     device = jax.devices()[0]
     group = [
@@ -466,7 +466,7 @@ def test_a_save_copies_on_the_devices_only_where_they_have_room():
     report no limit: always room."""
     import jax
 
-    from keras_dist._checkpoint.pipeline import _room_on_devices
+    from keras_dist._checkpoint.freeze import _room_on_devices
 
     class Device:
         def __init__(self, limit, in_use):
@@ -539,7 +539,7 @@ def test_weights_h5_files_hold_what_keras_writes(tmp_path):
     import ml_dtypes
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from keras_dist._keras_compat import _saving
+    from keras_dist._checkpoint import keras_files as _saving
 
     mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices())
     rng = np.random.default_rng(0)
@@ -595,8 +595,7 @@ def test_a_save_compiles_nothing_on_the_training_thread(
     at 973 MB on 8 CPU devices). The files are still the step's."""
     import jax
 
-    from keras_dist._checkpoint import model_checkpoint as _model_checkpoint
-    from keras_dist._checkpoint import orbax_store
+    from keras_dist._checkpoint import pipeline
 
     strategy = _fsdp() if layout == "fsdp" else kd.MirroredStrategy()
     model = build_in_scope(strategy, WEIGHTS)
@@ -621,12 +620,12 @@ def test_a_save_compiles_nothing_on_the_training_thread(
         monkeypatch.setattr(cls, name, wrapper)
 
     if callback == "backup":
-        timed(orbax_store.OrbaxStore, "save")
+        timed(pipeline.OrbaxSaves, "save")
         cb = kd.callbacks.BackupAndRestore(
             str(tmp_path / "backup"), save_freq=2, delete_checkpoint=False
         )
     else:
-        timed(_model_checkpoint.ModelCheckpoint, "_save_in_background")
+        timed(pipeline.KerasFileSaves, "save")
         suffix = ".weights.h5" if callback == "weights_h5" else ".keras"
         cb = kd.callbacks.ModelCheckpoint(
             str(tmp_path / ("ckpt_{epoch}_{batch}" + suffix)),
@@ -664,7 +663,7 @@ def test_the_saving_walk_copies_no_optimizer_state_to_the_host(
     optimizers and a wrapped inner one, and leaves nothing on them. An
     optimizer with its own `save_own_variables` is called as it is. The
     file is the one `save_weights` writes."""
-    from keras_dist._keras_compat import _saving
+    from keras_dist._checkpoint import keras_files as _saving
 
     chosen = {
         "adam": lambda: keras.optimizers.Adam(),

@@ -151,9 +151,9 @@ def _write_orbax_pytree_backup(directory, model, number, meta):
 
 
 def _store(directory, async_save=False):
-    from keras_dist._checkpoint.orbax_store import OrbaxStore
+    from keras_dist._checkpoint.pipeline import OrbaxSaves
 
-    return OrbaxStore(
+    return OrbaxSaves(
         str(directory),
         owner="BackupAndRestore",
         what="backup",

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._checkpoint import backup_and_restore as _backup_and_restore
-from keras_dist._checkpoint import model_checkpoint as _model_checkpoint
 from keras_dist._checkpoint import orbax_store
+from keras_dist.callbacks import _backup_and_restore, _model_checkpoint
 from tests._helpers import InterruptAt
 
 MODES = {
@@ -47,7 +46,7 @@ def recorded(monkeypatch):
     """Each Orbax write's number and the optimizer step count it holds, and
     how often the callbacks read the step counter."""
     seen = {"backups": [], "sharded": [], "reads": 0, "configs": 0}
-    start = orbax_store.OrbaxStore._start
+    start = orbax_store.OrbaxStore.save
 
     def started(self, step, payload):
         # A backup's record holds where training stood; a sharded one's not.
@@ -70,7 +69,7 @@ def recorded(monkeypatch):
         return files(model)
 
     monkeypatch.setattr(_model_checkpoint, "model_files", config)
-    monkeypatch.setattr(orbax_store.OrbaxStore, "_start", started)
+    monkeypatch.setattr(orbax_store.OrbaxStore, "save", started)
     for module in (_backup_and_restore, _model_checkpoint):
         monkeypatch.setattr(module, "step_counter", counted(module.step_counter))
     return seen

@@ -54,7 +54,7 @@ def _lr_per_step(model):
 
     class Record(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            from keras_dist._keras_compat import sync_state
+            from keras_dist._seams import sync_state
             from keras_dist.callbacks._lr_control import current_learning_rate
 
             sync_state(self.model)

@@ -7,7 +7,7 @@ import keras
 import pytest
 
 import keras_dist as kd
-from keras_dist._checkpoint.pipeline import remove_stale_temps
+from keras_dist._checkpoint.keras_files import remove_stale_temps
 from tests._helpers import make_data, mirrored, small_model
 
 X, Y, _ = make_data(16)

@@ -109,7 +109,7 @@ def test_integer_save_freq(tmp_path):
 
 
 def test_only_the_chief_writes(tmp_path, monkeypatch):
-    from keras_dist._checkpoint import model_checkpoint as _model_checkpoint
+    from keras_dist.callbacks import _model_checkpoint
 
     monkeypatch.setattr(_model_checkpoint, "_is_chief", lambda: False)
     model = build_in_scope(mirrored(2), initial_weights())
@@ -130,7 +130,7 @@ def test_a_crash_mid_write_leaves_the_previous_file(tmp_path):
         import os, signal
         os.environ["KERAS_BACKEND"] = "jax"
         import keras, keras_dist as kd
-        from keras_dist._checkpoint import pipeline as _files
+        from keras_dist._checkpoint import keras_files as _files
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(512)])
         _files.atomic_write({str(target)!r}, lambda p: model.save_weights(p))
         def dying_write(path):

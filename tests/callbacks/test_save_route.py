@@ -1,20 +1,28 @@
-"""Each checkpoint callback's save runs through at most 4 keras_dist files.
+"""Each checkpoint callback's save runs callback -> pipeline -> engine, downward.
 
-The one save pipeline (issue 48): a save is the callback, the pipeline, and
-the library's writer behind one store (`_keras_compat/_saving.py` for Keras's
-`.weights.h5` / `.keras`, `_checkpoint/orbax_store.py` for Orbax). Measured
-with a profiler on every thread, from the hook that saves to the write
-committed, at a steady-state save (the second of a `fit`).
+The one save pipeline (issues 48 and 62): a save is the callback
+(`callbacks/`), the pipeline (`_checkpoint/pipeline.py`), and one engine a
+format (`_checkpoint/keras_files.py` for Keras's `.weights.h5` / `.keras`,
+`_checkpoint/orbax_store.py` for Orbax), which take their snapshot with
+`_checkpoint/freeze.py` and reach Keras's private saving code only through
+the fence's ground floor (`_private_api/`). Measured with a profiler on
+every thread, from the hook that saves to the write committed, at a
+steady-state save (the second of a `fit`): every call from one keras_dist
+file into another runs down that order (the layout table of
+`docs/design.md` between rooms, the order above inside the checkpoint
+wing), so no file is entered again from below, and the save enters at most
+7 keras_dist files.
 
 Not counted: the two seams Keras's own objects run through for every
-variable in the process, whoever calls: `_keras_compat/_variables.py`
+variable in the process, whoever calls: `_seams/_variables.py`
 (`Variable.value` and `assign`: a save reads each variable, and Keras's
 `Callback.model` assigns them in `model.jax_state_sync()`) and
-`_keras_compat/_loop.py` (`Layer.__setattr__`). They are named here, so a
+`_seams/_trainer.py` (`Layer.__setattr__`). They are named here, so a
 save route that uses them otherwise still shows.
 """
 
 import os
+import pathlib
 import sys
 import threading
 
@@ -26,22 +34,57 @@ import keras_dist as kd
 
 PACKAGE = os.path.dirname(kd.__file__)
 # Run by Keras's own objects for every variable (see above).
-GLOBAL_SEAMS = {"_keras_compat/_variables.py", "_keras_compat/_loop.py"}
+GLOBAL_SEAMS = {"_seams/_variables.py", "_seams/_trainer.py"}
+
+
+# Keras's `ModelCheckpoint._save_model` calls the method a subclass
+# overrides (`_private_api/_hooks.py` turns it into the public hook): the
+# call a hook exists for, not a climb.
+HOOKS = {("_private_api/_hooks.py", "callbacks/_model_checkpoint.py")}
+# The checkpoint wing's files, top to bottom (one room in the layout table).
+WING = (
+    "_checkpoint/pipeline.py",
+    ("_checkpoint/keras_files.py", "_checkpoint/orbax_store.py"),
+    "_checkpoint/freeze.py",
+)
+
+
+def _floors() -> dict[str, int]:
+    from tests.test_layout import _table
+
+    return _table()
+
+
+def _rank(file: str, floors: dict[str, int]) -> tuple[int, int]:
+    """Where a file of keras_dist stands: its room's floor, then its place
+    in the wing (lower is further down)."""
+    from tests.test_layout import _room_of
+
+    floor = floors[_room_of(pathlib.PurePath("keras_dist", file), floors)]
+    for place, names in enumerate(WING):
+        if file in ((names,) if isinstance(names, str) else names):
+            return floor, len(WING) - place
+    return floor, len(WING) + 1
 
 
 class _Recorder:
     def __init__(self):
         self.on = False
         self.files: set[str] = set()
+        self.calls: set[tuple[str, str]] = set()  # (caller, callee) files.
 
     def __call__(self, frame, event, arg):
         if self.on and event == "call":
             name = frame.f_code.co_filename
             if name.startswith(PACKAGE):
-                self.files.add(os.path.relpath(name, PACKAGE))
+                callee = os.path.relpath(name, PACKAGE)
+                self.files.add(callee)
+                caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+                if caller.startswith(PACKAGE):
+                    self.calls.add((os.path.relpath(caller, PACKAGE), callee))
 
 
-def _route(callback_type, wait, **kwargs) -> set[str]:
+def _route(callback_type, wait, **kwargs) -> _Recorder:
     """keras_dist's files entered by the save at the second epoch's end."""
     recorder = _Recorder()
 
@@ -73,7 +116,7 @@ def _route(callback_type, wait, **kwargs) -> set[str]:
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]
-    return recorder.files
+    return recorder
 
 
 def _checkpoint_wait(callback):
@@ -110,19 +153,37 @@ def _backup_wait(callback):
     ],
     ids=["weights_h5", "keras", "sharded", "backup"],
 )
-def test_a_save_enters_at_most_four_keras_dist_files(
+def test_a_save_runs_callback_pipeline_engine_downward(
     tmp_path, callback_type, arguments, wait
 ):
     kwargs = {
         k: v.format(dir=tmp_path) if isinstance(v, str) else v
         for k, v in arguments.items()
     }
-    files = _route(callback_type, wait, **kwargs)
-    route = sorted(files - GLOBAL_SEAMS)
-    own = "_checkpoint/" + (
-        "backup_and_restore.py"
+    recorded = _route(callback_type, wait, **kwargs)
+    route = sorted(recorded.files - GLOBAL_SEAMS)
+    own = "callbacks/" + (
+        "_backup_and_restore.py"
         if callback_type is kd.callbacks.BackupAndRestore
-        else "model_checkpoint.py"
+        else "_model_checkpoint.py"
     )
-    assert own in route and "_checkpoint/pipeline.py" in route, route
-    assert len(route) <= 4, ", ".join(route)
+    engine = "_checkpoint/" + (
+        "keras_files.py"
+        if "sharded" not in str(kwargs) and "backup" not in str(kwargs)
+        else "orbax_store.py"
+    )
+    assert {own, "_checkpoint/pipeline.py", engine} <= set(route), route
+    floors = _floors()
+    upward = sorted(
+        f"{caller} -> {callee}"
+        for caller, callee in recorded.calls - HOOKS
+        if caller != callee
+        and not {caller, callee} & GLOBAL_SEAMS
+        and _rank(callee, floors) > _rank(caller, floors)
+    )
+    assert upward == [], "\n".join(upward)
+    # Inside a room (the callbacks' `StepEnd`), one way only.
+    calls = recorded.calls - HOOKS
+    both_ways = {(a, b) for a, b in calls if a != b and (b, a) in calls}
+    assert both_ways == set()
+    assert len(route) <= 7, ", ".join(route)

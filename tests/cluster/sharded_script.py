@@ -64,7 +64,7 @@ def record_threads() -> dict:
 
     from jax.experimental import multihost_utils
 
-    from keras_dist._checkpoint.orbax_store import OrbaxStore
+    from keras_dist._checkpoint.pipeline import OrbaxSaves
 
     threads: dict = {"BackupAndRestore": [], "ModelCheckpoint": [], "preemption": []}
 
@@ -78,7 +78,7 @@ def record_threads() -> dict:
 
         setattr(owner, name, call)
 
-    recorded(OrbaxStore, "_start", None)
+    recorded(OrbaxSaves, "save", None)
     recorded(multihost_utils, "reached_preemption_sync_point", "preemption")
     return threads
 
@@ -115,11 +115,11 @@ def from_one_process(strategy) -> dict:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    from keras_dist._checkpoint.orbax_store import OrbaxStore
+    from keras_dist._checkpoint.pipeline import OrbaxSaves
 
     model = build_in_scope(strategy, initial_weights(batch_norm=True), batch_norm=True)
     model.optimizer.build(model.trainable_variables)
-    store = OrbaxStore(
+    store = OrbaxSaves(
         os.path.join(workdir, "one_process_backup"),
         owner="BackupAndRestore",
         what="backup",

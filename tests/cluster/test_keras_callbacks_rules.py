@@ -10,7 +10,7 @@ one.
 
 import keras
 
-from keras_dist._keras_compat._processes import rule_of
+from keras_dist._seams._processes import rule_of
 
 EXPECTED = {
     "BackupAndRestore": "follower",

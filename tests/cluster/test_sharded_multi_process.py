@@ -39,14 +39,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 def _one_process_backup(directory) -> list:
     """A 1-process FSDP backup of distinct random values in every weight and
     optimizer variable; those values."""
-    from keras_dist._checkpoint.orbax_store import OrbaxStore
+    from keras_dist._checkpoint.pipeline import OrbaxSaves
 
     model = build_in_scope(_onto(8), initial_weights(batch_norm=True), batch_norm=True)
     model.optimizer.build(model.trainable_variables)
     rng = np.random.default_rng(3)
     for v in _state(model):
         v.assign(rng.integers(1, 100, v.shape).astype(v.dtype))
-    store = OrbaxStore(
+    store = OrbaxSaves(
         str(directory), owner="BackupAndRestore", what="backup", async_save=False
     )
     store.save(model, 7, meta={"epoch": 1})
@@ -227,7 +227,7 @@ def test_two_process_saves_run_in_the_background(cluster, rank):
     (Orbax's asynchronous save; its threads write and commit); JAX's
     preemption service is asked only on the training thread (a query from
     Orbax's commit thread could make the processes agree on a step the
-    training thread has passed: `_keras_compat/_orbax_private.py`)."""
+    training thread has passed: `_private_api/_orbax_private.py`)."""
     _, results = cluster
     threads, saves = results[rank]["threads"], results[rank]["saves"]
     # 4 fits x 2 epochs of 7 steps: backups every 3 steps and at epoch ends,

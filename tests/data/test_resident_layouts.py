@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._keras_compat import _adapters
+from keras_dist._seams import _adapters
 from keras_dist.data.resident._resident import ResidentPass
 from keras_dist.data.resident._resident_data import (
     BLOCKS,
@@ -23,8 +23,8 @@ from keras_dist.data.resident._resident_data import (
     lay_out_resident,
     resident_layout,
 )
-from keras_dist.strategies.devices import _resident_placement
-from keras_dist.strategies.devices._exchange import plan_exchange
+from keras_dist.strategies.placement import _resident_placement
+from keras_dist.strategies.placement._exchange import plan_exchange
 from keras_dist.training._fused_steps import has_primitive
 from tests._helpers import build_in_scope, mirrored
 from tests.data._resident_cases import SPLIT, WEIGHTS, X, Y

@@ -1,6 +1,6 @@
 """Sparse inputs (issue 10, item 3): scipy.sparse, tf.SparseTensor, jax BCOO.
 
-Unit tests of `keras_dist.data.host._sparse`, then fit / evaluate / predict with
+Unit tests of `keras_dist.data._sparse`, then fit / evaluate / predict with
 sparse `x` under keras_dist strategies against plain Keras (no strategy).
 37 rows in global batches of 10 end with a partial batch of 7, which splits
 over 8 replicas only once padded; 40 rows in batches of 8 need no padding.
@@ -21,7 +21,7 @@ from jax.experimental import sparse as jax_sparse
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import keras_dist as kd
-from keras_dist.data.host import _sparse
+from keras_dist.data import _sparse
 from tests._helpers import assert_history_close, assert_weights_close, mirrored
 
 FEATURES, CLASSES = 6, 3

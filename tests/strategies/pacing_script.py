@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist.strategies.devices import _placement
+from keras_dist.strategies.placement import _placement
 
 steps = int(sys.argv[1])
 if "unpaced" in sys.argv[2:]:

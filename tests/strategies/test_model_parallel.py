@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras_dist as kd
-from keras_dist._keras_compat._releases import find
+from keras_dist._private_api._releases import find
 from tests import _keras_hub_lm as lm
 
 # Keras 3.15 names it `core.JaxVariable`; the nightly `ops.core.Variable`.

@@ -1,4 +1,4 @@
-"""Programs in flight on CPU devices (`strategies/devices/_placement.py`).
+"""Programs in flight on CPU devices (`strategies/placement/_placement.py`).
 
 XLA:CPU launches a program of several devices as one task per device on its
 client's thread pool, and a launch waits there while its device has 32
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import keras_dist as kd
 from keras_dist import _backend
-from keras_dist.strategies.devices._placement import DEPTH, Pacer
+from keras_dist.strategies.placement._placement import DEPTH, Pacer
 
 SCRIPT = pathlib.Path(__file__).with_name("pacing_script.py")
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from keras_dist._keras_compat._releases import find
-from keras_dist._keras_compat._state import originals
+from keras_dist._private_api._releases import find
+from keras_dist._private_api._state import originals
 
 # Keras 3.15 names it `core.JaxVariable`; the nightly `ops.core.Variable`.
 JaxVariable = find("keras.src.backend.jax.core.JaxVariable")

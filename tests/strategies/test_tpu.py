@@ -18,9 +18,9 @@ import pytest
 from jax.experimental import mesh_utils
 
 import keras_dist as kd
-from keras_dist.strategies import _tpu
-from keras_dist.strategies._tpu import check_global_batch
-from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
+from keras_dist.tpu import _strategy as _tpu
+from keras_dist.tpu._mesh import tpu_device_order
+from keras_dist.tpu._strategy import check_global_batch
 from tests._helpers import (
     assert_history_close,
     assert_weights_close,

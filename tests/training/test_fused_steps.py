@@ -470,7 +470,7 @@ def test_central_storage_evaluate_group_returns_its_host_weights_uncopied(
     Measured: the evaluate group's HLO returns all 8 weights of the model
     (Dense, BatchNormalization, Dense) as its parameters 0-7.
     """
-    from keras_dist._keras_compat import _loop
+    from keras_dist._seams import _trainer as _loop
 
     programs = []  # (step name, jitted, its first call's argument types).
     original = _loop._originals["jit"]

@@ -1,4 +1,4 @@
-"""Keras's per-step loop without no-op work (`_keras_compat/_loop.py`).
+"""Keras's per-step loop without no-op work (`_seams/_trainer.py`).
 
 Under a strategy, batch-callback dispatches that no callback overrides are
 skipped, and the state between steps is stored without Keras's tracking

@@ -29,7 +29,7 @@ import jax
 import keras
 import numpy as np
 
-from keras_dist._keras_compat._access import (
+from keras_dist._private_api._access import (
     compile_arguments,
     loss_function_arguments,
 )

@@ -45,7 +45,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_dist.data.host._tf_data import check_tf_dataset, is_tf_dataset
+from keras_dist.data._tf_data import check_tf_dataset, is_tf_dataset
 
 __all__ = ["check_dataset", "first_element_checked"]
 

@@ -17,9 +17,9 @@ import enum
 import weakref
 from typing import Any
 
-from keras_dist._keras_compat import _tf_private
+from keras_dist._private_api import _tf_private
 from keras_dist.data._target import InputTarget
-from keras_dist.data.host._tf_data import is_tf_dataset
+from keras_dist.data._tf_data import is_tf_dataset
 
 __all__ = [
     "AutoShardPolicy",

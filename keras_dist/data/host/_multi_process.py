@@ -27,7 +27,7 @@ import numpy as np
 
 from keras_dist.cluster import _sync
 from keras_dist.data._partial_batch import batch_size_of, pad_to, round_up
-from keras_dist.data.host._sparse import is_leaf, is_sparse, map_rows, pad_sparse
+from keras_dist.data._sparse import is_leaf, is_sparse, map_rows, pad_sparse
 from keras_dist.errors import ProcessMismatchError
 
 __all__ = ["ProcessBlocks", "check_pass_end", "check_pass_start", "global_rows"]

@@ -59,6 +59,7 @@ from keras_dist.data._partial_batch import (
     pad_rows,
     round_up,
 )
+from keras_dist.data._sparse import is_leaf, is_sparse
 from keras_dist.data._target import InputTarget
 from keras_dist.data.checks._batch_checks import BatchSignature
 from keras_dist.data.host._multi_process import (
@@ -67,7 +68,6 @@ from keras_dist.data.host._multi_process import (
     check_pass_start,
     global_rows,
 )
-from keras_dist.data.host._sparse import is_leaf, is_sparse
 
 __all__ = ["InputPass", "Prefetcher", "Several", "element", "keras_batch"]
 

@@ -1,7 +1,6 @@
-"""The devices of a strategy and what goes onto them.
+"""A strategy's devices: device specs (`"gpu:0"`), the mesh, joining the cluster.
 
-Device specs (`"gpu:0"`), TPU device order, joining the cluster; the
-`Placement` that lays data out on the mesh and paces the programs in flight,
-and device-resident datasets (placed once, rows taken in the step, a
-shuffled pass exchanged from split rows).
+Also the layouts `keras.distribution` asks for (`_any_shape.py`) and a value
+laid out across processes (`_lay_out.py`). Where data goes on these
+devices is `strategies/placement/`; TPU device order is `keras_dist/tpu/`.
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 import keras
 
-from keras_dist.strategies.devices._placement import BATCH_AXIS
+from keras_dist.strategies.devices._mesh import BATCH_AXIS
 
 __all__ = ["data_layout", "fit_layout", "fitted_axes"]
 

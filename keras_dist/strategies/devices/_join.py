@@ -11,7 +11,7 @@ import random
 import jax
 import keras
 
-from keras_dist._keras_compat import _access
+from keras_dist._private_api import _access
 from keras_dist.cluster import _initialize, _sync
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterConfigError

@@ -21,10 +21,16 @@ import jax
 import keras
 import numpy as np
 
-from keras_dist.strategies.devices._placement import BATCH_AXIS
+__all__ = [
+    "BATCH_AXIS",
+    "MODEL_AXIS",
+    "build_device_mesh",
+    "check_model_parallel",
+    "made_layout_map",
+]
 
-__all__ = ["MODEL_AXIS", "build_device_mesh", "check_model_parallel", "made_layout_map"]
-
+# The mesh axis the global batch is split along (Keras's `DataParallel` name).
+BATCH_AXIS = "batch"
 MODEL_AXIS = "model"
 
 

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from keras_dist.data._partial_batch import take_real
-from keras_dist.strategies.devices._placement import num_real_of
-from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.placement._placement import num_real_of
 from keras_dist.strategies.replica._replica_context import in_replica_context
 from keras_dist.strategies.replica._values import (
     PerReplica,
@@ -27,6 +26,7 @@ from keras_dist.strategies.replica._values import (
     other_strategy_error,
     real_rows,
 )
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = ["experimental_local_results", "gather", "reduce"]
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import keras
 
 from keras_dist.data._partial_batch import NumReal, real_mask, total_real
-from keras_dist.strategies.replica._parts import StrategyParts
 from keras_dist.strategies.replica._values import ReduceOp
 from keras_dist.strategies.state import _ownership
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = ["ReplicaContext", "get_replica_context"]
 

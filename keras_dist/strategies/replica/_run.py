@@ -30,8 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from keras_dist.strategies.devices._placement import num_real_of
-from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.placement._placement import num_real_of
 from keras_dist.strategies.replica._replica_context import (
     AXIS,
     ReplicaContext,
@@ -45,6 +44,7 @@ from keras_dist.strategies.replica._values import (
     is_per_replica,
     other_strategy_error,
 )
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = ["run"]
 

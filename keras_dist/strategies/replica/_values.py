@@ -9,9 +9,9 @@ from jax.sharding import NamedSharding
 
 from keras_dist.data._partial_batch import NumReal, real_rows_in
 from keras_dist.strategies.devices._devices import device_name
-from keras_dist.strategies.devices._placement import BATCH_AXIS
-from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.devices._mesh import BATCH_AXIS
 from keras_dist.strategies.state import _ownership
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = ["PerReplica", "ReduceOp"]
 

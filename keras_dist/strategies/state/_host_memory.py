@@ -11,7 +11,7 @@ to 'dot_general' must be the same`), so a step cannot compute on host arrays
 directly: compiled steps move the state into device memory as their first
 operation and give their new state back in host memory (the step's
 `out_shardings`); eager steps do the same with `jax.device_put` around the
-call (`_keras_compat/_loop.py` connects both to Keras's trainer).
+call (`_seams/_trainer.py` connects both to Keras's trainer).
 """
 
 from typing import Any

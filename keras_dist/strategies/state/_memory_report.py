@@ -6,8 +6,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from keras_dist.strategies.devices._placement import BATCH_AXIS
-from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist.strategies.devices._mesh import BATCH_AXIS
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = ["MemoryReport", "VariableMemory", "memory_report"]
 

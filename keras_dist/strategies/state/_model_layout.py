@@ -39,8 +39,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_dist.strategies.devices._mesh import MODEL_AXIS
-from keras_dist.strategies.devices._placement import BATCH_AXIS
+from keras_dist.strategies.devices._mesh import BATCH_AXIS, MODEL_AXIS
 from keras_dist.strategies.state._sharding import ShardPlan
 from keras_dist.strategies.state._state_layout import ShardedStateLayout
 

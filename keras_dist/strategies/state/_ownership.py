@@ -3,8 +3,8 @@
 import weakref
 from typing import Any
 
-from keras_dist._keras_compat import _access
-from keras_dist.strategies.replica._parts import StrategyParts
+from keras_dist._private_api import _access
+from keras_dist.strategies.state._parts import StrategyParts
 
 __all__ = [
     "is_strategy",

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import keras
 
-from keras_dist.strategies.devices._placement import BATCH_AXIS
+from keras_dist.strategies.devices._mesh import BATCH_AXIS
 
 __all__ = ["ShardPlan", "plan_by_partitioner", "plan_largest_divisible", "replicated"]
 

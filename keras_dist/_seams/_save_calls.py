@@ -13,8 +13,8 @@ import inspect
 from collections.abc import Callable
 
 from keras_dist._checkpoint.keras_files import save_once
-from keras_dist._keras_compat._model import _strategy_for
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
+from keras_dist._seams._model import _strategy_for
 
 __all__ = ["saved_once"]
 

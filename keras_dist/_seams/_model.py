@@ -9,9 +9,9 @@ import jax
 import keras
 
 from keras_dist._checks import check_int
-from keras_dist._keras_compat._loop import current_strategy
-from keras_dist._keras_compat._processes import prepare_call
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
+from keras_dist._seams._processes import prepare_call
+from keras_dist._seams._trainer import current_strategy
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._base import Strategy

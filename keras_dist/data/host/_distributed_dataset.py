@@ -18,10 +18,10 @@ import numpy as np
 
 from keras_dist.data._input_context import InputContext, InputOptions
 from keras_dist.data._target import InputTarget
+from keras_dist.data._tf_data import is_tf_dataset
 from keras_dist.data.checks import _input_checks
 from keras_dist.data.host._auto_shard import is_per_process, per_process_share
 from keras_dist.data.host._pipeline import InputPass
-from keras_dist.data.host._tf_data import is_tf_dataset
 
 __all__ = [
     "DistributedDataset",

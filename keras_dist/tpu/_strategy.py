@@ -12,12 +12,12 @@ from keras_dist.cluster._tpu_resolver import TPUClusterResolver, joined
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._join import agree_on_seed
 from keras_dist.strategies.devices._mesh import check_model_parallel
-from keras_dist.strategies.devices._tpu_mesh import tpu_device_order
 from keras_dist.strategies.state._model_layout import sharded_state
 from keras_dist.strategies.state._state_layout import (
     SHARD_OPTIMIZER_STATE,
     SHARD_VARIABLES,
 )
+from keras_dist.tpu._mesh import tpu_device_order
 
 __all__ = ["TPUStrategy", "check_global_batch"]
 
@@ -30,7 +30,7 @@ class TPUStrategy(Strategy):
     split over the replicas, gradients all-reduced by XLA over the TPU
     interconnect — here inside one compiled JAX program over a 1-D mesh
     `("batch",)` whose devices follow the TPU topology (JAX's `mesh_utils`;
-    see `keras_dist/strategies/devices/_tpu_mesh.py`). On a pod slice (several TPU
+    see `keras_dist/tpu/_mesh.py`). On a pod slice (several TPU
     VM hosts) it first joins the hosts into one JAX cluster, as
     `MultiWorkerMirroredStrategy` does: run the same program on every host.
 

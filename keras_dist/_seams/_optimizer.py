@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
 from keras_dist.strategies._base import Strategy, strategy_of_variable
 from keras_dist.strategies.replica._replica_context import in_replica_context, varies
 

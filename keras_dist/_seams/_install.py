@@ -110,20 +110,28 @@ from typing import Any
 import jax
 import keras
 
-from keras_dist._keras_compat import _private, _releases
-from keras_dist._keras_compat._access import global_seed as global_seed
-from keras_dist._keras_compat._access import step_counter as step_counter
-from keras_dist._keras_compat._access import sync_state as sync_state
-from keras_dist._keras_compat._accumulation import (
+from keras_dist._private_api import _private, _releases
+from keras_dist._private_api._access import global_seed as global_seed
+from keras_dist._private_api._access import step_counter as step_counter
+from keras_dist._private_api._access import sync_state as sync_state
+from keras_dist._private_api._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
+from keras_dist._private_api._jax_seams import find as _find
+from keras_dist._private_api._state import originals as _originals
+from keras_dist._seams._accumulation import (
     _backend_apply_gradients,
     _get_current_learning_rate,
     _iterations,
 )
-from keras_dist._keras_compat._adapters import tf_dataset_adapter_init
-from keras_dist._keras_compat._host_values import _array
-from keras_dist._keras_compat._jax_seams import CHECKED_JAX, JAX_PRIVATE, KERAS_HOOKS
-from keras_dist._keras_compat._jax_seams import find as _find
-from keras_dist._keras_compat._loop import (
+from keras_dist._seams._adapters import tf_dataset_adapter_init
+from keras_dist._seams._host_values import _array
+from keras_dist._seams._model import _entry_point, _step_builder
+from keras_dist._seams._optimizer import (
+    _add_variable_from_reference,
+    _check_finite,
+    _stateless_apply,
+)
+from keras_dist._seams._save_calls import saved_once
+from keras_dist._seams._trainer import (
     BATCH_HOOKS,
     _batch_hook,
     _distribute_data,
@@ -134,15 +142,7 @@ from keras_dist._keras_compat._loop import (
     _make_function,
     _maybe_symbolic_build,
 )
-from keras_dist._keras_compat._model import _entry_point, _step_builder
-from keras_dist._keras_compat._optimizer import (
-    _add_variable_from_reference,
-    _check_finite,
-    _stateless_apply,
-)
-from keras_dist._keras_compat._save_calls import saved_once
-from keras_dist._keras_compat._state import originals as _originals
-from keras_dist._keras_compat._variables import (
+from keras_dist._seams._variables import (
     _assign,
     _direct_assign,
     _initialize_with_initializer,

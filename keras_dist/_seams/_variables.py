@@ -58,8 +58,8 @@ from keras.src.backend.common.variables import Variable
 from keras.src.initializers.random_initializers import RandomInitializer
 from keras.src.random.seed_generator import draw_seed
 
-from keras_dist._keras_compat import _releases
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api import _releases
+from keras_dist._private_api._wrapped import marked
 from keras_dist.strategies._base import Strategy
 from keras_dist.strategies.devices._any_shape import fit_layout
 from keras_dist.strategies.devices._lay_out import lay_out, needs_pieces
@@ -304,7 +304,7 @@ def variable_value(value: property) -> property:
         raise TypeError(
             "keras_dist cannot wrap Keras's `Variable.value`: this Keras version "
             "defines it without a getter. Use a Keras version keras_dist supports "
-            "(`keras_dist._keras_compat.CHECKED_KERAS`)."
+            "(`keras_dist._seams.CHECKED_KERAS`)."
         )
 
     @functools.wraps(read)

@@ -12,11 +12,11 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.orbax_store import OrbaxStore
-from keras_dist._checkpoint.pipeline import StepEnd, check_writable_dir
+from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
 from keras_dist._checks import check_int
-from keras_dist._keras_compat import _access
-from keras_dist._keras_compat._access import step_counter
+from keras_dist._private_api import _access
+from keras_dist._private_api._access import step_counter
+from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
 
@@ -118,7 +118,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store: OrbaxStore | None = None
+        self._store: OrbaxSaves | None = None
         self._preempted = threading.Event()
         self._previous_handler: _SignalHandler = None
         self._step_end = StepEnd()
@@ -126,7 +126,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Life cycle ---------------------------------------------------------
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._store = OrbaxStore(
+        self._store = OrbaxSaves(
             self.backup_dir,
             owner="BackupAndRestore",
             what="backup",
@@ -139,14 +139,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = strategy_of_model(self.model)
         self._replicas = strategy.num_replicas_in_sync if strategy else 1
         self._restore(call)
-        self._open_store().prepare(self.model)
+        self._open_store().store.prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.
         self._step_end.start(
             self.params.get("steps"),
-            max(self._global_step, self._open_store().latest() or 0),
+            max(self._global_step, self._open_store().store.latest() or 0),
             call,
         )
         self._install_sigterm_handler()
@@ -169,7 +169,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # The previous execution's end, handled here rather than in an
         # `on_train_batch_end` hook, which would make Keras wait for every
-        # step (`pipeline.StepEnd`); the model's state is the same.
+        # step (`_step_end.StepEnd`); the model's state is the same.
         finished = self._step_end.begin(batch)
         if finished is None:
             return
@@ -237,7 +237,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # State ----------------------------------------------------------------
 
-    def _open_store(self) -> OrbaxStore:
+    def _open_store(self) -> OrbaxSaves:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
         if self._store is None:
             raise RuntimeError(

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keras_dist.strategies.devices._exchange import exchange, plan_exchange
-from keras_dist.strategies.devices._placement import Placement, _as_array, _place
-from keras_dist.strategies.devices._take_rows import take_block, take_rows
+from keras_dist.strategies.placement._exchange import exchange, plan_exchange
+from keras_dist.strategies.placement._placement import Placement, _as_array, _place
+from keras_dist.strategies.placement._take_rows import take_block, take_rows
 
 __all__ = ["ResidentPlacement"]
 

@@ -9,7 +9,7 @@ answers "unknown" and the caller accepts the dataset).
 import re
 from typing import Any
 
-from keras_dist._keras_compat import _tf_private
+from keras_dist._private_api import _tf_private
 
 __all__ = [
     "BATCHED",

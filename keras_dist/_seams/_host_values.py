@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
 
 __all__ = ["_array"]
 

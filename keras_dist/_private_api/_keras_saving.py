@@ -1,16 +1,16 @@
-"""Seam 12: Keras's own `.weights.h5` / `.keras` files, written from a snapshot.
+"""Keras's saving walk and file store, for writing Keras's files from a snapshot.
 
-`model.save_weights` and `model.save` walk the model (`_save_state`)
-and read every variable while they write the file. An asynchronous save
-splits that walk from the writing:
+`model.save_weights` and `model.save` walk the model (`_save_state`) and
+read every variable while they write the file. keras_dist's Keras-file
+engine (`keras_dist/_checkpoint/keras_files.py`) splits that walk from the
+writing, with these private parts of Keras's `saving_lib`:
 
-- `snapshot(model, with_config)`, on the training thread: the same walk
-  into a store that records what each saveable gives it (its variables, or
-  values a layer computes from them, e.g. a LoRA-merged kernel), then every
-  value frozen (`_checkpoint/pipeline.freeze`). With `with_config`, the
-  model's config and metadata JSON and its assets too. A walk that found
-  only variables is `reusable` at later steps of the same `fit` (Keras's
-  walk takes host time and creates reference objects, Keras's serialization
+- `record(model, with_config)`: the same walk into a store that records
+  what each saveable gives it (its variables, or values a layer computes
+  from them, e.g. a LoRA-merged kernel); with `with_config`, the model's
+  config and metadata JSON and its assets too. A walk that found only
+  variables is `reusable` at later steps of the same `fit` (Keras's walk
+  takes host time and creates reference objects, Keras's serialization
   reads the learning rate on the host: a wait for every step dispatched).
   The config does not change while `fit` runs; the learning rate it holds
   is the one at the walk, and the optimizer's variables saved beside it
@@ -19,18 +19,19 @@ splits that walk from the writing:
   into Keras's own `H5IOStore` (h5py writes the bytes): the `.weights.h5`
   file `save_weights` writes, or, inside Keras's zip layout with the JSON
   and assets, the `.keras` file `save` writes. Both load with Keras alone.
+- `model_files(model)`: the JSON and assets `keras.callbacks.OrbaxCheckpoint`
+  saves beside the state.
+
+Imports nothing of keras_dist.
 """
 
 import contextlib
-import datetime
 import functools
-import json
 import os
 import shutil
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import keras
@@ -48,15 +49,11 @@ from keras.src.saving.saving_lib import (
     _write_to_zip_recursively,
 )
 
-from keras_dist._checkpoint.pipeline import freeze, prepare
-
 __all__ = [
     "Snapshot",
     "model_files",
-    "prepare_snapshot",
     "record",
     "reusable",
-    "snapshot",
     "write_snapshot",
 ]
 
@@ -245,49 +242,6 @@ def reusable(recorded: Snapshot) -> bool:
         for _, _, group in recorded.entries
         for v in group.values()
     )
-
-
-def snapshot(
-    model,
-    *,
-    with_config: bool,
-    recorded: Snapshot | None = None,
-    copy_local: bool = True,
-) -> Snapshot:
-    """The state `model.save_weights` (or `model.save`) would write, frozen.
-
-    `recorded`: a `reusable` record of this model, to skip Keras's walk.
-    `copy_local=False`: only take part in the gathers (see `freeze`).
-    """
-    if recorded is None:
-        recorded = record(model, with_config=with_config)
-    keys = [(i, k) for i, (_, _, group) in enumerate(recorded.entries) for k in group]
-    frozen = freeze([recorded.entries[i][2][k] for i, k in keys], copy_local=copy_local)
-    entries: list[tuple[str, Any, dict[str, Any]]] = [
-        (path, metadata, {}) for path, metadata, _ in recorded.entries
-    ]
-    for (i, k), value in zip(keys, frozen, strict=True):
-        entries[i][2][k] = value
-    metadata = recorded.metadata_json
-    if metadata is not None:  # Saved now, not when the walk was recorded.
-        metadata = json.dumps(
-            json.loads(metadata)
-            | {"date_saved": datetime.datetime.now().strftime("%Y-%m-%d@%H:%M:%S")}
-        )
-    return Snapshot(
-        entries=entries,
-        config_json=recorded.config_json,
-        metadata_json=metadata,
-        assets_dir=recorded.assets_dir,
-        nbytes=sum(int(v.nbytes) for v in frozen),
-        # A kept walk's assets serve its later snapshots too.
-        owns_assets=not reusable(recorded),
-    )
-
-
-def prepare_snapshot(recorded: Snapshot) -> None:
-    """Compiles the copies `snapshot(..., recorded=recorded)` dispatches."""
-    prepare(recorded.values())
 
 
 def _replay(snap: Snapshot, store) -> None:

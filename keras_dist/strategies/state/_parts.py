@@ -12,7 +12,7 @@ from typing import Protocol
 import jax
 import keras
 
-from keras_dist.strategies.devices._placement import Pacer, Placement
+from keras_dist.strategies.placement._placement import Pacer, Placement
 from keras_dist.strategies.state._state_layout import StateLayout
 
 __all__ = ["StrategyParts"]

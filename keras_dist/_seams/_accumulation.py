@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import keras
 
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
 from keras_dist.training._gradient_accumulation import (
     accumulates_under_strategy,
     apply_accumulated,
@@ -65,7 +65,7 @@ def _iterations(iterations: property) -> property:
         raise TypeError(
             "keras_dist cannot wrap Keras's `BaseOptimizer.iterations`: this Keras "
             "version defines it without a getter. Use a Keras version keras_dist "
-            "supports (`keras_dist._keras_compat.CHECKED_KERAS`)."
+            "supports (`keras_dist._seams.CHECKED_KERAS`)."
         )
 
     @functools.wraps(read)

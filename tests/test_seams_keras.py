@@ -1,8 +1,8 @@
-"""The private Keras seams of `keras_dist/_keras_compat/` are still there.
+"""The private Keras seams of `keras_dist/_seams/` are still there.
 
 If this file fails after a Keras upgrade, re-read
 `keras/src/backend/jax/trainer.py` of the new release, adapt
-`keras_dist/_keras_compat/`, then bump `CHECKED_KERAS` and the pin in pyproject.toml.
+`keras_dist/_seams/`, then bump `CHECKED_KERAS` and the pin in pyproject.toml.
 """
 
 import inspect
@@ -11,31 +11,31 @@ import keras
 import numpy as np
 
 import keras_dist as kd
-from keras_dist import _keras_compat
-from keras_dist._keras_compat._releases import find
+from keras_dist import _seams
+from keras_dist._private_api._releases import find
 from keras_dist.data import _partial_batch
 from tests._helpers import build_in_scope, initial_weights, make_data, mirrored
 
 
 def test_checked_against_the_installed_keras():
-    assert _keras_compat.CHECKED_KERAS == ("3.15", "3.16")
+    assert _seams.CHECKED_KERAS == ("3.15", "3.16")
     minor = ".".join(keras.__version__.split(".")[:2])
-    assert minor in _keras_compat.CHECKED_KERAS, (
-        f"_keras_compat was checked against Keras {_keras_compat.CHECKED_KERAS} "
+    assert minor in _seams.CHECKED_KERAS, (
+        f"_keras_compat was checked against Keras {_seams.CHECKED_KERAS} "
         f"but Keras {keras.__version__} is installed"
     )
-    assert _keras_compat._KERAS_PIN == "keras>=3.15,<3.17"
+    assert _seams._KERAS_PIN == "keras>=3.15,<3.17"
 
 
 def test_every_seam_exists_with_the_expected_signature():
-    _keras_compat.install()
-    found = _keras_compat.seams()
+    _seams.install()
+    found = _seams.seams()
     assert all(obj is not None for obj in found.values())
-    params = inspect.signature(_keras_compat._originals["_distribute_data"]).parameters
+    params = inspect.signature(_seams._originals["_distribute_data"]).parameters
     # The nightly also takes `is_super_batch` (steps_per_execution's stacks).
     assert list(params) in (["data", "layouts"], ["data", "layouts", "is_super_batch"])
-    for name in _keras_compat.STEP_BUILDERS:
-        original = _keras_compat._originals[f"Model.{name}"]
+    for name in _seams.STEP_BUILDERS:
+        original = _seams._originals[f"Model.{name}"]
         assert list(inspect.signature(original).parameters) == ["self", "force"]
 
 
@@ -43,16 +43,16 @@ def test_seams_are_installed_once_by_the_first_strategy():
     kd.OneDeviceStrategy("cpu:0")
     from keras.src.backend.jax import trainer
 
-    assert trainer.jit is _keras_compat._jit
-    assert trainer._distribute_data is _keras_compat._distribute_data
+    assert trainer.jit is _seams._jit
+    assert trainer._distribute_data is _seams._distribute_data
     assert (
         find("keras.src.backend.jax.trainer.JAXEpochIterator._get_distributed_iterator")
-        is _keras_compat._get_distributed_iterator
+        is _seams._get_distributed_iterator
     )
-    for name in (*_keras_compat.ENTRY_POINTS, *_keras_compat.STEP_BUILDERS):
+    for name in (*_seams.ENTRY_POINTS, *_seams.STEP_BUILDERS):
         wrapped = getattr(keras.Model, name)  # The trainer's, by a public name.
-        assert wrapped._keras_dist_wrapped is _keras_compat._originals[f"Model.{name}"]
-    _keras_compat.install()  # Idempotent: no double wrapping.
+        assert wrapped._keras_dist_wrapped is _seams._originals[f"Model.{name}"]
+    _seams.install()  # Idempotent: no double wrapping.
     assert not hasattr(keras.Model.fit._keras_dist_wrapped, "_keras_dist_wrapped")
 
 
@@ -119,7 +119,7 @@ def test_callback_seams_exist():
 def test_a_moved_name_is_found_where_the_installed_keras_has_it():
     """`_releases.where`: the name itself, else where the nightly moved it
     (the longest moved prefix first: a moved method before its moved class)."""
-    from keras_dist._keras_compat._releases import MOVED, where
+    from keras_dist._private_api._releases import MOVED, where
 
     trainer = "keras.src.backend.jax.trainer"
     build = where(f"{trainer}.JAXTrainer._symbolic_build")

@@ -42,12 +42,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from keras_dist import _backend
+from keras_dist.data import _sparse
 from keras_dist.data._input_context import InputOptions
-from keras_dist.data.host import _sparse
 from keras_dist.strategies.devices._lay_out import lay_out
+from keras_dist.strategies.devices._mesh import BATCH_AXIS
 
 __all__ = [
-    "BATCH_AXIS",
     "DEPTH",
     "BatchRows",
     "Pacer",
@@ -56,7 +56,6 @@ __all__ = [
     "num_real_of",
 ]
 
-BATCH_AXIS = "batch"
 
 DEPTH = 8
 

@@ -1,7 +1,8 @@
 """Every private name of Keras, JAX and TensorFlow keras_dist uses, by kind.
 
-The functions keras_dist wraps or reads by name are `_SEAMS` (`_seams.py`),
-the private JAX names of the cluster layer `JAX_PRIVATE` (`_jax_seams.py`).
+The functions keras_dist wraps or reads by name are `_SEAMS`
+(`keras_dist/_seams/_install.py`), the private JAX names of the cluster layer
+`JAX_PRIVATE` (`_jax_seams.py`).
 This module lists the rest, so that the fence is whole:
 
 - `PRIVATE_IMPORTS`: names imported from private modules (`keras.src`,
@@ -12,7 +13,7 @@ This module lists the rest, so that the fence is whole:
   found in the source of the class or one of its bases.
 - `TF_PRIVATE_ATTRIBUTES`: the same for tf.data's classes. Checked when
   TensorFlow is already imported (keras_dist never imports it itself at
-  import time); `data/host/_tf_data.py` treats a missing one as "unknown".
+  import time); `data/_tf_data.py` treats a missing one as "unknown".
 - `SIGNATURES`: the parameters each wrapped function was written for.
 
 `check()` fails loudly (an `ImportError` naming the missing names) when a
@@ -28,7 +29,7 @@ import re
 import sys
 from typing import Any
 
-from keras_dist._keras_compat import _releases
+from keras_dist._private_api import _releases
 
 __all__ = [
     "PRIVATE_ATTRIBUTES",
@@ -69,7 +70,7 @@ PRIVATE_IMPORTS: tuple = (
     # which tf.data does not export.
     ("tensorflow.python.data.experimental.ops", "distribute"),
     ("tensorflow.python.data.ops", "dataset_ops"),
-    # _saving: Keras's own saving walk and file writer (`H5IOStore`, h5py),
+    # _keras_saving: Keras's own saving walk and file writer (`H5IOStore`, h5py),
     # split so the file is written from a host snapshot on a background
     # thread: the public `save_weights` / `save` read the live variables
     # while they write, on the training thread.

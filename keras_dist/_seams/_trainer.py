@@ -50,12 +50,12 @@ from typing import Any
 import keras
 from keras.src.utils.python_utils import is_default
 
-from keras_dist._keras_compat._adapters import (
+from keras_dist._private_api._state import originals as _originals
+from keras_dist._seams._adapters import (
     ARRAY_ADAPTER,
     adapter_dataset,
     resident_pass,
 )
-from keras_dist._keras_compat._state import originals as _originals
 from keras_dist.data import _call
 from keras_dist.data.host._auto_shard import is_per_process
 from keras_dist.data.host._pipeline import InputPass, keras_batch

@@ -28,7 +28,7 @@ import keras
 import numpy as np
 from keras.src.trainers.data_adapters.array_slicing import convert_to_sliceable
 
-from keras_dist._keras_compat._wrapped import marked
+from keras_dist._private_api._wrapped import marked
 from keras_dist.data import _call
 from keras_dist.data._target import InputTarget
 from keras_dist.data.host._auto_shard import per_process_share

@@ -8,20 +8,16 @@ import warnings
 
 import keras
 
+from keras_dist._checkpoint.keras_files import SUFFIXES
 from keras_dist._checkpoint.orbax_store import committed_steps, restore
+from keras_dist._checkpoint.pipeline import STATE_FILE
 
 __all__ = [
-    "STATE_FILE",
-    "SUFFIXES",
     "Checkpoint",
     "CheckpointWatch",
     "latest_checkpoint",
     "load_checkpoint",
 ]
-
-# ModelCheckpoint's index of its files, newest last.
-STATE_FILE = "checkpoint"
-SUFFIXES = (".weights.h5", ".keras", ".h5")
 
 
 def _indexed_latest(state_path: str) -> str | None:

@@ -8,7 +8,6 @@ The filepath's keys are checked in `on_train_begin` against the keys the
 logs will hold, the monitor at the first epoch end against the logs.
 """
 
-import json
 import os
 import string
 import time
@@ -18,30 +17,20 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.keras_files import save_once, written_everywhere
-from keras_dist._checkpoint.lookup import STATE_FILE, SUFFIXES
-from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS, OrbaxStore
+from keras_dist._checkpoint.keras_files import SUFFIXES, save_once, written_everywhere
+from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS
 from keras_dist._checkpoint.pipeline import (
-    StepEnd,
-    Writer,
-    atomic_write,
+    KerasFileSaves,
+    OrbaxSaves,
     check_writable_dir,
-    remove_stale_temps,
 )
 from keras_dist._checks import check_int
-from keras_dist._keras_compat._access import step_counter
-from keras_dist._keras_compat._hooks import ModelCheckpointHooks
-from keras_dist._keras_compat._saving import (
-    Snapshot,
-    model_files,
-    prepare_snapshot,
-    record,
-    reusable,
-    snapshot,
-    write_snapshot,
-)
-from keras_dist._keras_compat._state import originals
+from keras_dist._private_api._access import step_counter
+from keras_dist._private_api._hooks import ModelCheckpointHooks
+from keras_dist._private_api._keras_saving import model_files
+from keras_dist._private_api._state import originals
 from keras_dist.callbacks._lr_control import plain_learning_rate
+from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
 
 __all__ = ["ModelCheckpoint"]
@@ -179,14 +168,17 @@ class ModelCheckpoint(ModelCheckpointHooks):
             filepath if sharded else (os.path.dirname(filepath) or "."),
             argument="filepath",
         )
-        self._kept: list[str] = []
-        self._epochs: dict[str, int] = {}
-        self._steps: dict[str, int] = {}
-        self._writer = Writer("ModelCheckpoint", "The previous checkpoint is intact.")
-        self._sharded: OrbaxStore | None = None
+        self._saves = KerasFileSaves(
+            self.directory,
+            owner="ModelCheckpoint",
+            async_save=async_save,
+            max_to_keep=max_to_keep,
+            keep_period=keep_period,
+            loadable=plain_learning_rate,
+        )
+        self._sharded: OrbaxSaves | None = None
         self._files: dict | None = None  # Keras's JSON and assets (sharded).
         self._last_save = time.monotonic()
-        self._recorded: Snapshot | None = None
         self._step_end = StepEnd()
         self._logs_each_step = self.save_freq != "epoch" and (
             self.save_best_only or _formats_logs(filepath)
@@ -198,17 +190,18 @@ class ModelCheckpoint(ModelCheckpointHooks):
         super().on_train_begin(logs)
         if not self.sharded:
             check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
-        if _is_chief():  # Temporary files of writes an earlier run interrupted.
-            remove_stale_temps(self.directory)
-        if self.sharded:
-            self._sharded = OrbaxStore(
+            self._saves.begin(
+                self.model, with_config=not self.save_weights_only, chief=_is_chief()
+            )
+        else:
+            self._sharded = OrbaxSaves(
                 self.directory,
                 owner="ModelCheckpoint",
                 async_save=self.async_save,
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
-            self._sharded.prepare(
+            self._sharded.store.prepare(
                 self.model, WEIGHTS if self.save_weights_only else tuple(GROUPS)
             )
             # Keras's model JSON and assets, made once a `fit`, here: making
@@ -223,8 +216,6 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 except Exception:
                     pass
         self._last_save = time.monotonic()
-        self._recorded = None  # Keras's saving walk, kept for this `fit`.
-        self._prepare_background_saves()
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
         call = _call.active()
@@ -233,10 +224,10 @@ class ModelCheckpoint(ModelCheckpointHooks):
         )
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
-        self._write_index(done=False)
+        self._saves.write_index(done=False, chief=_is_chief())
 
     # No per-step hook: Keras's makes `fit` wait for every step, even with
-    # `save_freq="epoch"` (`pipeline.StepEnd`). An execution's end is handled at
+    # `save_freq="epoch"` (`_step_end.StepEnd`). An execution's end is handled at
     # the next one's begin, or at the epoch's end. Only when the step's logs
     # name the file or decide the save (`save_best_only`) with an integer
     # `save_freq` does `__init__` put Keras's per-step hook back.
@@ -272,7 +263,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
         try:
             self._finish()
             # The marker `kd.callbacks.SidecarEvaluator` stops on.
-            self._write_index(done=True)
+            self._saves.write_index(done=True, chief=_is_chief())
         except BaseException as failure:
             error = failure
         # `fit` returns on every process once the chief's files are there
@@ -285,24 +276,21 @@ class ModelCheckpoint(ModelCheckpointHooks):
         Raises:
             kd.errors.CheckpointWriteError: if it failed.
         """
-        self._writer.wait()
+        self._saves.wait()
         if self._sharded is not None:
             self._sharded.wait()
 
     def _check(self) -> None:
-        self._writer.check()
+        self._saves.check()
         if self._sharded is not None:
             self._sharded.check()
 
     def _finish(self) -> None:
         """Finishes the save in flight (raises its error); idempotent."""
         sharded, self._sharded = self._sharded, None
-        recorded, self._recorded = self._recorded, None
         try:
-            self._writer.close()
+            self._saves.close()
         finally:
-            if recorded is not None:
-                recorded.release()  # Its assets' temporary directory.
             if sharded is not None:
                 sharded.close()
 
@@ -337,19 +325,23 @@ class ModelCheckpoint(ModelCheckpointHooks):
             if path is not None and self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
             return
-        legacy = filepath.endswith(".h5") and not filepath.endswith(".weights.h5")
-        if self.async_save and not legacy:
-            self._save_in_background(filepath, epoch, step)
-            return
         if _is_chief():
             _check_not_dir(filepath)
-            self._writer.wait()  # An earlier background write first (legacy .h5).
-        self._write(filepath)  # Every process takes part; the chief writes.
-        if not _is_chief():
-            return
-        if self.verbose > 0:
+        if filepath.endswith(".weights.h5" if self.save_weights_only else ".keras"):
+            self._saves.save(
+                self.model,
+                filepath,
+                epoch=epoch,
+                step=step,
+                with_config=not self.save_weights_only,
+                chief=_is_chief(),
+            )
+        else:  # A legacy `.h5` model: Keras's own writer, on every process.
+            self._saves.wait()  # An earlier background write first.
+            self._write_legacy(filepath)
+            self._saves.kept(filepath, epoch=epoch, step=step, chief=_is_chief())
+        if self.verbose > 0 and _is_chief() and not self._saves.pending:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
-        self._record(filepath, epoch, step)
 
     def _step(self, batch: int | None) -> int:
         """The training step a save after step index `batch` of this epoch
@@ -359,113 +351,16 @@ class ModelCheckpoint(ModelCheckpointHooks):
         count unless a loss-scaling optimizer skipped steps."""
         return self._step_end.step(self._step_end.last if batch is None else batch)
 
-    def _prepare_background_saves(self) -> None:
-        """Keras's saving walk and the compile of a save's copies, now (when
-        `fit` begins, the model and optimizer built), not on the training
-        thread at the first save."""
-        optimizer = getattr(self.model, "optimizer", None)
-        built = self.model.built and (optimizer is None or optimizer.built)
-        if not (self.async_save and not self.sharded and built):
-            return
-        # Every process, as a save walks (the walk may create variables).
-        with plain_learning_rate(self.model):
-            walk = record(self.model, with_config=not self.save_weights_only)
-        prepare_snapshot(walk)
-        if reusable(walk):
-            self._recorded = walk
-        else:
-            walk.release()
-
-    def _save_in_background(self, filepath: str, epoch: int, step: int) -> None:
-        """The state to host memory here; the file written on the writer thread."""
-        chief = _is_chief()
-        if chief:
-            _check_not_dir(filepath)
-        with_config = not self.save_weights_only
-        if self._recorded is None:
-            with plain_learning_rate(self.model):  # Loadable without keras_dist.
-                walk = record(self.model, with_config=with_config)
-            if reusable(walk):
-                self._recorded = walk
-        else:
-            walk = self._recorded
-        # Every process: values split over processes are gathered (the
-        # others copy nothing: only the chief writes).
-        snap = snapshot(
-            self.model, with_config=with_config, recorded=walk, copy_local=chief
-        )
-        if not chief:
-            snap.release()
-            return
-
-        def write() -> None:
-            try:
-                atomic_write(filepath, lambda p: write_snapshot(snap, p))
-            finally:
-                snap.release()
-            self._record(filepath, epoch, step)
-
-        self._writer.write(filepath, write)
-
-    def _write(self, filepath: str) -> None:
-        method = "save_weights" if self.save_weights_only else "save"
-        keras_save = originals[f"Model.{method}"]
+    def _write_legacy(self, filepath: str) -> None:
+        keras_save = originals["Model.save"]
         with plain_learning_rate(self.model):  # Loadable without keras_dist.
             save_once(
                 self.model,
                 filepath,
                 lambda p: keras_save(self.model, p, overwrite=True),
-                weights_only=self.save_weights_only,
-                method=f"ModelCheckpoint's model.{method}",
+                weights_only=False,
+                method="ModelCheckpoint's model.save",
             )
-
-    def _record(self, filepath: str, epoch: int, step: int) -> None:
-        """Adds a written file to the index; deletes what the policies drop."""
-        filepath = os.path.abspath(filepath)
-        if filepath in self._kept:
-            self._kept.remove(filepath)
-        self._kept.append(filepath)
-        self._epochs[os.path.basename(filepath)] = int(epoch)
-        self._steps[filepath] = int(step)
-        if self.max_to_keep is not None:
-            kept_forever = [p for p in self._kept if self._kept_forever(p)]
-            rolling = [p for p in self._kept if p not in kept_forever]
-            while len(rolling) > self.max_to_keep:
-                old = rolling.pop(0)
-                self._kept.remove(old)
-                if os.path.exists(old):
-                    os.remove(old)
-        self._write_index(done=False)
-
-    def _kept_forever(self, filepath: str) -> bool:
-        step = self._steps.get(filepath)
-        period = self.keep_period
-        if not period or step is None:
-            return False
-        return step % period == 0
-
-    def _write_index(self, *, done: bool) -> None:
-        """The `checkpoint` index: newest last, each file's epoch, `done`.
-
-        `done` is true once `fit` has ended (the evaluator's stop marker).
-        """
-        if not _is_chief() or not self._kept:
-            return
-        names = [
-            os.path.basename(p)
-            for p in self._kept
-            if os.path.dirname(p) == self.directory
-        ]
-        state = {
-            "latest": os.path.basename(self._kept[-1]),
-            "all": names,
-            "epochs": {name: self._epochs[name] for name in names},
-            "done": done,
-        }
-        atomic_write(
-            os.path.join(self.directory, STATE_FILE),
-            lambda p: _write_json(p, state),
-        )
 
 
 def _is_chief() -> bool:
@@ -479,11 +374,6 @@ def _check_not_dir(filepath: str) -> None:
             f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
             "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
         )
-
-
-def _write_json(path: str, payload: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
 
 
 def _formats_logs(filepath: str) -> bool:
