@@ -35,40 +35,18 @@ from keras_dist.failure_handling import (  # noqa: E402
     PreemptionCheckpointHandler,
     TerminationConfig,
 )
-from keras_dist.strategies import (  # noqa: E402
-    CentralStorageStrategy,
-    CommunicationOptions,
-    MemoryReport,
-    MirroredStrategy,
-    MultiWorkerMirroredStrategy,
-    OneDeviceStrategy,
-    ParameterServerStrategy,
-    PerReplica,
-    ReduceOp,
-    ReplicaContext,
-    Strategy,
-    get_replica_context,
-)
+from keras_dist.strategies import *  # noqa: E402, F403 (its names are kd's)
+from keras_dist.strategies import __all__ as _strategy_names  # noqa: E402
 from keras_dist.tpu import TPUStrategy  # noqa: E402
 
 # The private Keras seams (inert unless a keras_dist strategy is in use).
 _seams.install()
 
 __all__ = [
-    "CentralStorageStrategy",
-    "CommunicationOptions",
+    *_strategy_names,
     "InputContext",
     "InputOptions",
-    "MemoryReport",
-    "MirroredStrategy",
-    "MultiWorkerMirroredStrategy",
-    "OneDeviceStrategy",
-    "ParameterServerStrategy",
-    "PerReplica",
     "PreemptionCheckpointHandler",
-    "ReduceOp",
-    "ReplicaContext",
-    "Strategy",
     "TPUStrategy",
     "TerminationConfig",
     "__version__",
@@ -77,7 +55,6 @@ __all__ = [
     "data",
     "errors",
     "failure_handling",
-    "get_replica_context",
     "layers",
     "losses",
     "partitioners",

@@ -1,36 +1,14 @@
 """The engine of Keras's files (`.weights.h5`, `.keras`): snapshot, write, commit.
 
-- `snapshot(model, with_config)` (on the training thread): Keras's saving
-  walk (`_private_api/_keras_saving.record`), every value frozen
-  (`freeze.py`). `write(snapshot, path)` (on any thread): the walk replayed
-  into Keras's own `H5IOStore` (h5py writes the bytes) under a temporary
-  name, fsynced, renamed (`atomic_write`): a crash leaves the previous file.
-  `ModelCheckpoint` saves this way, on the pipeline's writer thread or on
-  the training thread.
-- `save_once`: a file saved by every process, written once. With several
-  processes every process runs the same program, so each calls
-  `model.save_weights(path)`, `model.save(path)` or `keras.saving.save_model`
-  (the seam `_seams/_save_calls.py` sends those here). Keras alone would have
-  every process write the same file: h5py's lock refuses the second writer;
-  two processes write one zip at once. `save_once` makes it one save, as one
-  process does it:
-
-1. **Every process is saving.** The processes agree (an exchange with the
-   call-agreement timeout, `CommunicationOptions.timeout_seconds`); a
-   process that will not come — ended, or waiting elsewhere — is named at
-   once (`if strategy.is_chief: model.save(...)` is an error, not a wait
-   in a gather that never ends).
-2. **The chief writes.** Every process takes Keras's saving walk and the
-   gathers of values split across processes (`snapshot`); the chief
-   (process 0) writes it (`write`). A format the snapshot does not
-   write (legacy `.h5`, sharded `.weights.json`, an unzipped or `hf://`
-   model, or a file Keras would ask before overwriting) is Keras's own
-   function on every process, the others writing into a scratch directory
-   (their walks take part in the same gathers).
-3. **Every process returns when the file is complete**, or raises: the
-   chief's error on the others as `CheckpointWriteError`.
-
-With one process it is `atomic_write` around Keras's own function.
+`snapshot` (on the training thread) is Keras's saving walk
+(`_private_api/_keras_saving.record`) with every value frozen (`freeze.py`);
+`write` (on any thread) replays it into Keras's own `H5IOStore` (h5py writes
+the bytes) under a temporary name, fsynced and renamed (`atomic_write`): a
+crash leaves the previous file. `save_once` makes the save every process of
+a cluster calls (`model.save_weights`, `model.save`, `keras.saving.save_model`,
+sent here by `_seams/_save_calls.py`) one file, written by the chief: Keras
+alone would have every process write it (h5py's lock refuses the second
+writer; two processes write one zip at once).
 """
 
 import contextlib
@@ -196,6 +174,21 @@ def save_once(
 ) -> None:
     """`save(path)` (Keras's function, bound to its other arguments) as one
     save of every process; `filepath` written once, by the chief.
+
+    1. Every process is saving: the processes agree (an exchange with the
+       call-agreement timeout); a process that will not come is named at
+       once (`if strategy.is_chief: model.save(...)` is an error, not a
+       wait in a gather that never ends).
+    2. The chief writes: every process takes the walk and the gathers of
+       values split across processes (`snapshot`), the chief `write`s. A
+       format the snapshot does not write (legacy `.h5`, sharded
+       `.weights.json`, an unzipped or `hf://` model, a file Keras would ask
+       before overwriting) is Keras's own function on every process, the
+       others writing into a scratch directory (their walks take part in
+       the same gathers).
+    3. Every process returns when the file is complete, or raises (the
+       chief's error on the others). With one process: `atomic_write`
+       around Keras's own function.
 
     Args:
         model: the model saved.

@@ -73,11 +73,12 @@ class Writer:
     (`Pending`). `write(path, fn)` runs `fn` on this writer's thread, or
     with `background=False` at once (then `submit` waits too). A
     write's error is raised as `CheckpointWriteError` (naming its path and
-    cause, and `kept`) by the next `check`, `submit`, `wait` or `close`.
+    cause, and `intact`: what a failure leaves) by the next `check`,
+    `submit`, `wait` or `close`.
     """
 
-    def __init__(self, owner: str, kept: str, *, background: bool = True):
-        self.owner, self.kept, self.background = owner, kept, background
+    def __init__(self, owner: str, intact: str, *, background: bool = True):
+        self.owner, self.intact, self.background = owner, intact, background
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: Pending | None = None
         self._path = ""
@@ -127,7 +128,7 @@ class Writer:
         except Exception as error:
             raise CheckpointWriteError(
                 f"{self.owner}: writing {self._path} failed in the background "
-                f"({type(error).__name__}: {str(error)[:1000]}). {self.kept}"
+                f"({type(error).__name__}: {str(error)[:1000]}). {self.intact}"
             ) from error
 
     def close(self) -> None:
@@ -175,7 +176,7 @@ class _Kept:
     metrics: dict | None = None
 
 
-class KerasFileSaves:
+class KerasFileSaves(Writer):
     """`ModelCheckpoint`'s Keras files in `directory`: snapshot, write, keep.
 
     Only the chief (`chief=True`: process 0) writes; with several processes
@@ -194,10 +195,10 @@ class KerasFileSaves:
         keep_period: int | None,
         loadable: Callable[[Any], contextlib.AbstractContextManager],
     ):
-        self.directory = directory
-        self._writer = Writer(
+        super().__init__(
             owner, "The previous checkpoint is intact.", background=async_save
         )
+        self.directory = directory
         self._policy = (
             keep_policy(max_to_keep, keep_period)
             if max_to_keep or keep_period
@@ -206,10 +207,6 @@ class KerasFileSaves:
         self._loadable = loadable
         self._kept: list[_Kept] = []
         self._recorded: keras_files.Snapshot | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self._writer.pending
 
     def begin(self, model, *, with_config: bool, chief: bool) -> None:
         """When `fit` begins: stale temporary files removed; Keras's saving
@@ -256,12 +253,12 @@ class KerasFileSaves:
                     keras_files.write(snap, path)
                     self.kept(path, epoch=epoch, step=step, chief=True)
 
-                self._writer.write(path, write)
+                self.write(path, write)
         except BaseException as failure:
-            if self._writer.background:
+            if self.background:
                 raise
             error = failure
-        if not self._writer.background:  # Every process returns when written.
+        if not self.background:  # Every process returns when written.
             keras_files.written_everywhere(error, what=repr(path))
 
     def kept(self, path: str, *, epoch: int, step: int, chief: bool) -> None:
@@ -301,16 +298,10 @@ class KerasFileSaves:
         }
         keras_files.atomic_write_json(os.path.join(self.directory, STATE_FILE), state)
 
-    def check(self) -> None:
-        self._writer.check()
-
-    def wait(self) -> None:
-        self._writer.wait()
-
     def close(self) -> None:
         """Finishes the save in flight (raises its error); idempotent."""
         try:
-            self._writer.close()
+            super().close()
         finally:
             self._release_walk()
 
@@ -323,7 +314,7 @@ class KerasFileSaves:
 # Orbax checkpoints -----------------------------------------------------------
 
 
-class OrbaxSaves:
+class OrbaxSaves(Writer):
     """An `OrbaxStore`'s saves through one writer.
 
     `what` ("backup") names them in errors; `async_save=False` waits for
@@ -340,21 +331,17 @@ class OrbaxSaves:
         max_to_keep: int | None = None,
         keep_period: int | None = None,
     ):
-        self.store = OrbaxStore(
-            directory, owner=owner, keep=keep_policy(max_to_keep, keep_period)
-        )
-        self.what = what
-        self._writer = Writer(
+        super().__init__(
             owner,
             f"The previous {what} in {directory} is intact."
             if what == "backup"
             else f"The earlier {what}s in {directory} are intact.",
             background=async_save,
         )
-
-    @property
-    def pending(self) -> bool:
-        return self._writer.pending
+        self.store = OrbaxStore(
+            directory, owner=owner, keep=keep_policy(max_to_keep, keep_period)
+        )
+        self.what = what
 
     def save(
         self,
@@ -369,7 +356,7 @@ class OrbaxSaves:
         directory, or None if that step is saved already (an epoch's end
         right after a save)."""
         payload = self.store.payload(model, groups=groups, files=files, meta=meta)
-        self._writer.wait()  # One save in flight (and its error raised).
+        self.wait()  # One save in flight (and its error raised).
         if step in self.store.steps():
             return None
         path = os.path.join(self.store.directory, str(step))
@@ -380,25 +367,17 @@ class OrbaxSaves:
             # benchmarks/save_cost.py` times a save's parts). A snapshot on
             # the devices instead, and Orbax's save on the writer thread.
             payload = self.store.frozen(payload)
-            self._writer.write(label, lambda: self.store.save(step, payload))
+            self.write(label, lambda: self.store.save(step, payload))
         else:  # Orbax's save runs collectives: on the training thread.
-            self._writer.submit(label, lambda: self.store.save_async(step, payload))
+            self.submit(label, lambda: self.store.save_async(step, payload))
         return path
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model` (`OrbaxStore.restore`)."""
         return self.store.restore(model)
 
-    def check(self) -> None:
-        """Raises the error of a save that failed; never waits."""
-        self._writer.check()
-
-    def wait(self) -> None:
-        """Waits until the save in flight is committed (raises its error)."""
-        self._writer.wait()
-
     def close(self) -> None:
         try:
-            self._writer.close()
+            super().close()
         finally:
             self.store.close()

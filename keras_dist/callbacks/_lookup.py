@@ -1,7 +1,6 @@
 """Finding and loading what `ModelCheckpoint` wrote: `latest_checkpoint`,
-`load_checkpoint`, and `CheckpointWatch` (the `SidecarEvaluator`'s)."""
+`load_checkpoint`."""
 
-import dataclasses
 import json
 import os
 import warnings
@@ -13,8 +12,6 @@ from keras_dist._checkpoint.orbax_store import committed_steps, restore
 from keras_dist._checkpoint.pipeline import STATE_FILE
 
 __all__ = [
-    "Checkpoint",
-    "CheckpointWatch",
     "latest_checkpoint",
     "load_checkpoint",
 ]
@@ -76,11 +73,11 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     latest = _indexed_latest(state_path)
     if latest and os.path.exists(os.path.join(directory, latest)):
         return os.path.join(directory, latest)
-    candidates = _checkpoint_files(directory)
+    candidates = checkpoint_files(directory)
     return candidates[-1] if candidates else None
 
 
-def _checkpoint_files(directory: str) -> list[str]:
+def checkpoint_files(directory: str) -> list[str]:
     """The checkpoint files of `directory`, oldest first (by modification
     time), without the temporary files of interrupted writes."""
     if not os.path.isdir(directory):
@@ -126,66 +123,3 @@ def load_checkpoint(model: keras.Model, path: "str | os.PathLike") -> None:
         restore(model, path)
     else:
         model.load_weights(path)
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """One checkpoint file and the training epoch (0-based) it was saved at.
-
-    `epoch` is None when the directory has no `ModelCheckpoint` index.
-    """
-
-    path: str
-    epoch: int | None
-
-
-class CheckpointWatch:
-    """Lists, oldest first, the checkpoints of `directory` not returned before.
-
-    Reads the `checkpoint` index that `kd.callbacks.ModelCheckpoint` keeps
-    (files newest last, each one's epoch, and `done` once `fit` ended); a
-    directory without a readable index is listed by modification time. A
-    file is new when its name, size or modification time changed, so a
-    checkpoint rewritten under the same name (`save_best_only`) is new again.
-    """
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        self._seen: set[tuple] = set()
-
-    def training_done(self) -> bool:
-        """Whether the chief's `fit` has ended (the index says `done`)."""
-        return bool(self._index().get("done"))
-
-    def new_checkpoints(self) -> list[Checkpoint]:
-        found = []
-        for checkpoint in self._listed():
-            try:
-                stat = os.stat(checkpoint.path)
-            except FileNotFoundError:  # Deleted by `max_to_keep` meanwhile.
-                continue
-            key = (checkpoint.path, stat.st_size, stat.st_mtime_ns)
-            if key not in self._seen:
-                self._seen.add(key)
-                found.append(checkpoint)
-        return found
-
-    def _index(self) -> dict:
-        try:
-            with open(os.path.join(self.directory, STATE_FILE)) as f:
-                index = json.load(f)
-        except (OSError, ValueError):  # Absent, or being replaced: none yet.
-            return {}
-        return index if isinstance(index, dict) else {}
-
-    def _listed(self) -> list[Checkpoint]:
-        index = self._index()
-        names = index.get("all")
-        if isinstance(names, list) and names:
-            epochs = index.get("epochs") or {}
-            return [
-                Checkpoint(os.path.join(self.directory, name), epochs.get(name))
-                for name in names
-                if isinstance(name, str)
-            ]
-        return [Checkpoint(path, None) for path in _checkpoint_files(self.directory)]

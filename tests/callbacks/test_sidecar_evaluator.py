@@ -145,7 +145,7 @@ def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
     evaluator = kd.callbacks.SidecarEvaluator(
         _evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.3, poll_interval=0.05
     )
-    from keras_dist.callbacks._lookup import CheckpointWatch
+    from keras_dist.callbacks._sidecar_evaluator import CheckpointWatch
 
     watch = CheckpointWatch(str(tmp_path))
     assert len(watch.new_checkpoints()) == 1

@@ -73,7 +73,7 @@ def record_threads() -> dict:
 
         def call(*args, **kwargs):
             store = args[0] if key is None else None
-            threads[key or store._writer.owner].append(threading.current_thread().name)
+            threads[key or store.owner].append(threading.current_thread().name)
             return original(*args, **kwargs)
 
         setattr(owner, name, call)
