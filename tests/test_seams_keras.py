@@ -21,7 +21,7 @@ def test_checked_against_the_installed_keras():
     assert _seams.CHECKED_KERAS == ("3.15", "3.16")
     minor = ".".join(keras.__version__.split(".")[:2])
     assert minor in _seams.CHECKED_KERAS, (
-        f"_keras_compat was checked against Keras {_seams.CHECKED_KERAS} "
+        f"keras_dist's seams were checked against Keras {_seams.CHECKED_KERAS} "
         f"but Keras {keras.__version__} is installed"
     )
     assert _seams._KERAS_PIN == "keras>=3.15,<3.17"

@@ -10,7 +10,7 @@ name the nightly moved is found where it is, `_releases.py`). A public name
 is wrapped wherever one reaches the function (`keras.Model.fit` is the
 trainer's `fit`):
 
-1. **Batches** (`_loop.py`). Keras turns each host batch into a global
+1. **Batches** (`_trainer.py`). Keras turns each host batch into a global
    array with the module function `_distribute_data` (per pass in
    `JAXEpochIterator._get_distributed_iterator`, the nightly's
    `_get_iterator`; the nightly also builds an unbuilt model from the
@@ -83,7 +83,7 @@ trainer's `fit`):
     replica (each replica would decide alone to skip a step) with the fix,
     `all_reduce("sum", grads)`, instead of a JAX error about manual axes.
 
-11. **Keras's per-step loop without no-op work** (`_loop.py`): the state
+11. **Keras's per-step loop without no-op work** (`_trainer.py`): the state
     between steps is stored untracked, and batch callbacks that no callback
     overrides are not dispatched.
 
@@ -102,7 +102,7 @@ trainer's `fit`):
 
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
-`tests/test_keras_compat.py` fails loudly when a Keras release moves a seam.
+`tests/test_seams_keras.py` fails loudly when a Keras release moves a seam.
 """
 
 from typing import Any
