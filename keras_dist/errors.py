@@ -123,8 +123,9 @@ class IncompatibleBackupError(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint written in the background failed; the message names its
-    path and the cause, and the previous checkpoint is intact.
+    """A checkpoint write failed (in the background, or on the training thread
+    with `async_save=False`); the message names its path and the cause, and
+    the previous checkpoint is intact.
 
     Example:
 

@@ -126,8 +126,9 @@ class Writer:
         try:
             pending.result()
         except Exception as error:
+            where = " in the background" if self.background else ""
             raise CheckpointWriteError(
-                f"{self.owner}: writing {self._path} failed in the background "
+                f"{self.owner}: writing {self._path} failed{where} "
                 f"({type(error).__name__}: {str(error)[:1000]}). {self.intact}"
             ) from error
 
