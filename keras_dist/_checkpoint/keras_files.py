@@ -175,30 +175,20 @@ def save_once(
     """`save(path)` (Keras's function, bound to its other arguments) as one
     save of every process; `filepath` written once, by the chief.
 
-    1. Every process is saving: the processes agree (an exchange with the
-       call-agreement timeout); a process that will not come is named at
-       once (`if strategy.is_chief: model.save(...)` is an error, not a
-       wait in a gather that never ends).
-    2. The chief writes: every process takes the walk and the gathers of
-       values split across processes (`snapshot`), the chief `write`s. A
-       format the snapshot does not write (legacy `.h5`, sharded
-       `.weights.json`, an unzipped or `hf://` model, a file Keras would ask
-       before overwriting) is Keras's own function on every process, the
-       others writing into a scratch directory (their walks take part in
-       the same gathers).
-    3. Every process returns when the file is complete, or raises (the
-       chief's error on the others). With one process: `atomic_write`
-       around Keras's own function.
+    The processes first agree that each is saving (a process that is not,
+    as in `if strategy.is_chief: model.save(...)`, is named at once, not
+    waited for in a gather). Every process then takes the walk and the
+    gathers of values split across processes (`snapshot`); the chief
+    `write`s. A format the snapshot does not write (legacy `.h5`, sharded
+    `.weights.json`, an unzipped or `hf://` model, a file Keras would ask
+    before overwriting) is Keras's own `save` on every process, the others
+    writing into a scratch directory. Every process returns when the file
+    is complete, or raises (the chief's error on the others). One process:
+    `atomic_write` around `save`.
 
-    Args:
-        model: the model saved.
-        filepath: where the user asked for the file.
-        save: Keras's own function, called with the path to write.
-        weights_only: a `.weights.h5` file (else a `.keras` model).
-        method: the call, for messages (`"model.save_weights"`).
-        overwrite: the call's `overwrite`.
-        snapshot_format: the call's other arguments leave the file to the
-            snapshot's writer (no `max_shard_size`, zipped, not `hf://`).
+    `method` names the call in messages (`"model.save_weights"`);
+    `snapshot_format`: the call leaves the file to the snapshot's writer
+    (no `max_shard_size`, zipped, not `hf://`).
 
     Raises:
         ProcessMismatchError: if a process is not saving (names it).

@@ -1,29 +1,15 @@
 """The engine of Orbax checkpoints: a model's numbered steps, and loading them.
 
-One engine for `BackupAndRestore`, `ModelCheckpoint(sharded=True)` and
-`PreemptionCheckpointHandler` (through the pipeline's `OrbaxSaves`), with
-one process or many, through Orbax's `training.Checkpointer` (its v1 API)
-in `keras.callbacks.OrbaxCheckpoint`'s layout: a directory per step, the
-checkpointable `pytree` holding `model.get_state_tree()`'s groups
-(`model_config` and `assets` beside it for a full model), which Keras's
-`load_model` / `load_weights` read, plus `keras_dist`: the variables' paths
-in the model's order (a load need not match names) and, for a backup, where
-training stood (`meta`).
-
-Orbax does the work: it writes, commits a step by a rename once every
-process has written (barriers through JAX's coordination service from its
-threads), keeps what the preservation policy says (`keep_policy`: Orbax's
-policy objects, which `ModelCheckpoint`'s files follow too) and deletes
-half-written steps. With one process a save is Orbax's synchronous save of
-a snapshot on the devices (`freeze.py`; `save`, run on the pipeline's
-writer thread): Orbax's asynchronous save would copy the state to the host
-first, waiting for every step dispatched. With several, Orbax's
-asynchronous save copies the state to the host and returns (`save_async`:
-each process its own parts, nothing gathered). Arrays are written
-uncompressed (a trained float state's bytes look random: zstd saves few of
-them and adds much of a write's CPU time, which the host shares with
-training); with one process, without replica-parallel slicing (a device
-copy per replica of each replicated value, for nothing).
+Orbax's `training.Checkpointer` (its v1 API) in `keras.callbacks.OrbaxCheckpoint`'s
+layout: a directory per step; the checkpointable `pytree` holds
+`model.get_state_tree()`'s groups (`model_config` and `assets` beside it for
+a full model), which Keras's loaders read; `keras_dist` holds the variables'
+paths in the model's order (a load need not match names) and a backup's
+`meta`. Orbax writes, commits a step by a rename once every process has
+written, keeps what `keep_policy` says and deletes half-written steps.
+Arrays are written uncompressed (a trained state's bytes look random: zstd
+saves few and takes CPU the host shares with training); with one process,
+without replica-parallel slicing (a device copy per replica, for nothing).
 """
 
 import functools
@@ -165,10 +151,6 @@ class OrbaxStore:
 
     def steps(self) -> list[int]:
         return sorted(c.step for c in self._checkpointer.checkpoints)
-
-    def latest(self) -> int | None:
-        steps = self.steps()
-        return steps[-1] if steps else None
 
     def payload(
         self,

@@ -1,24 +1,15 @@
 """The one save pipeline: callback -> pipeline -> engine.
 
-A checkpoint callback hands a save to one of two routes, each an engine's
-snapshot, one writer and the engine's commit, kept by one policy:
+A save is an engine's snapshot on the training thread, a write by one
+`Writer` (one save in flight; its failure raised as
+`kd.errors.CheckpointWriteError` on the training thread at the next step,
+save or end of `fit`; `async_save=False` is the same route without the
+thread), then the engine's commit, kept by Orbax's keep policy:
 
-- `KerasFileSaves` (`ModelCheckpoint`'s `.weights.h5` / `.keras` files):
-  the Keras-file engine's snapshot on the training thread
-  (`keras_files.snapshot`), its write on the writer thread
-  (`keras_files.write`: atomic), then the keep policy and the `checkpoint`
-  index. Synchronous (`async_save=False`) is the same route without the
-  thread.
-- `OrbaxSaves` (`BackupAndRestore`, `ModelCheckpoint(sharded=True)`,
-  `PreemptionCheckpointHandler`): the Orbax engine (`orbax_store.py`), its
-  save on the writer thread with one process, Orbax's asynchronous save
-  with several.
-
-`Writer`: one save in flight per callback; a failed write raises
-`kd.errors.CheckpointWriteError` (its path and cause) on the training
-thread at the next step, save or end of `fit`. The keep policy is Orbax's
-(`orbax_store.keep_policy`): Orbax applies it to its steps, `KerasFileSaves`
-to its files.
+- `KerasFileSaves`: `ModelCheckpoint`'s `.weights.h5` / `.keras` files
+  (`keras_files.py`), then the `checkpoint` index.
+- `OrbaxSaves`: `BackupAndRestore`, `ModelCheckpoint(sharded=True)`,
+  `PreemptionCheckpointHandler` (`orbax_store.py`).
 """
 
 import concurrent.futures
@@ -96,22 +87,21 @@ class Writer:
 
     def write(self, path: str, fn: Callable[[], object]) -> None:
         """Runs `fn` on this writer's thread (after the save in flight)."""
-        self.submit(path, lambda: self.in_background(fn))
+        self.submit(path, lambda: self._start(fn))
 
-    def in_background(self, fn: Callable[[], object]) -> Pending:
-        """Starts `fn` on this writer's thread (a `start` of `submit`)."""
-        if not self.background:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
-                done.set_result(fn())
-            except Exception as error:
-                done.set_exception(error)
-            return done
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="keras_dist-checkpoint"
-            )
-        return self._executor.submit(fn)
+    def _start(self, fn: Callable[[], object]) -> Pending:
+        if self.background:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="keras_dist-checkpoint"
+                )
+            return self._executor.submit(fn)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            done.set_result(fn())
+        except Exception as error:
+            done.set_exception(error)
+        return done
 
     def check(self) -> None:
         """Raises the error of a finished write that failed; never waits."""
@@ -372,10 +362,6 @@ class OrbaxSaves(Writer):
         else:  # Orbax's save runs collectives: on the training thread.
             self.submit(label, lambda: self.store.save_async(step, payload))
         return path
-
-    def restore(self, model) -> dict | None:
-        """Loads the newest readable backup into `model` (`OrbaxStore.restore`)."""
-        return self.store.restore(model)
 
     def close(self) -> None:
         try:

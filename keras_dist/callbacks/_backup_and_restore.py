@@ -2,28 +2,20 @@
 
 import os
 import shutil
-import signal
-import threading
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 import jax
 import keras
-from jax.experimental import multihost_utils
 
 from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
 from keras_dist._checks import check_int
 from keras_dist._private_api import _access
 from keras_dist._private_api._access import step_counter
 from keras_dist.callbacks._step_end import StepEnd
+from keras_dist.cluster._preemption import PreemptionNotice
 from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
 
 __all__ = ["BackupAndRestore"]
-
-# What `signal.signal` returns and takes.
-_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -119,14 +111,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
         self._store: OrbaxSaves | None = None
-        self._preempted = threading.Event()
-        self._previous_handler: _SignalHandler = None
+        self._preemption = PreemptionNotice()
         self._step_end = StepEnd()
 
-    # Life cycle ---------------------------------------------------------
-
     def on_train_begin(self, logs: dict | None = None) -> None:
-        self._store = OrbaxSaves(
+        store = self._store = OrbaxSaves(
             self.backup_dir,
             owner="BackupAndRestore",
             what="backup",
@@ -139,17 +128,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         strategy = strategy_of_model(self.model)
         self._replicas = strategy.num_replicas_in_sync if strategy else 1
         self._restore(call)
-        self._open_store().store.prepare(self.model)
+        store.store.prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.
         self._step_end.start(
             self.params.get("steps"),
-            max(self._global_step, self._open_store().store.latest() or 0),
+            max([self._global_step, *store.store.steps()]),
             call,
         )
-        self._install_sigterm_handler()
+        if self.save_before_preemption:
+            self._preemption.install()
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._release)
 
@@ -195,7 +185,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{self.backup_dir}; exiting.",
                 flush=True,
             )
-        self._uninstall_sigterm_handler()
+        self._preemption.uninstall()
         raise SystemExit(0)
 
     def _position(self, epoch: int, step: int) -> tuple[int, int]:
@@ -230,12 +220,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _release(self) -> None:
         """Undoes what `on_train_begin` set up (also when `fit` raises)."""
         _access.set_initial_epoch(self.model, None)
-        self._uninstall_sigterm_handler()
+        self._preemption.uninstall()
         store, self._store = self._store, None
         if store is not None:
             store.close()  # Finishes a save in flight; raises if it failed.
-
-    # State ----------------------------------------------------------------
 
     def _open_store(self) -> OrbaxSaves:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
@@ -269,7 +257,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return self._step_in_epoch - self._saved_step
 
     def _restore(self, call: _call.CallState | None) -> None:
-        meta = self._open_store().restore(self.model)
+        meta = self._open_store().store.restore(self.model)
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]
@@ -287,35 +275,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 flush=True,
             )
 
-    # Preemption -----------------------------------------------------------
-
     def _preemption_noticed(self) -> bool:
-        """SIGTERM seen here — or, with several processes, at an agreed step.
-
-        With several processes JAX's preemption service owns SIGTERM: when
-        any process gets it, all agree on one future step, and each saves
-        (Orbax saves are collective) and exits there.
-        """
+        """SIGTERM noticed (with several processes: at an agreed step, where
+        each saves, as Orbax saves are collective, and exits)."""
         if not self.save_before_preemption:
             return False
-        if jax.process_count() == 1:
-            return self._preempted.is_set()
-        # The step id is the optimizer's step: the numbers Orbax's own
-        # preemption checks use too (the service needs one growing sequence).
+        # The optimizer's step numbers, which Orbax's own preemption checks
+        # use too (the service needs one growing sequence).
         self._global_step += 1
-        return multihost_utils.reached_preemption_sync_point(self._global_step)
-
-    def _install_sigterm_handler(self) -> None:
-        if not self.save_before_preemption or jax.process_count() > 1:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self._preempted.clear()
-        self._previous_handler = signal.signal(
-            signal.SIGTERM, lambda signum, frame: self._preempted.set()
-        )
-
-    def _uninstall_sigterm_handler(self) -> None:
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        return self._preemption.reached(self._global_step)

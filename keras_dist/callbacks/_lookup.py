@@ -11,10 +11,7 @@ from keras_dist._checkpoint.keras_files import SUFFIXES
 from keras_dist._checkpoint.orbax_store import committed_steps, restore
 from keras_dist._checkpoint.pipeline import STATE_FILE
 
-__all__ = [
-    "latest_checkpoint",
-    "load_checkpoint",
-]
+__all__ = ["latest_checkpoint", "load_checkpoint"]
 
 
 def _indexed_latest(state_path: str) -> str | None:

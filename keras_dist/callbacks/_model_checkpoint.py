@@ -1,15 +1,8 @@
-"""`ModelCheckpoint` that only the chief writes, atomically, in the background.
+"""`ModelCheckpoint` that only the chief writes, atomically, in the background;
+its `filepath` checked before training (`_filepath_checks.py`)."""
 
-Keys that cannot be filled are refused before training is lost: Keras 3.15
-formats `filepath` only when it first saves (an unknown key, or `{val_loss}`
-without validation data, raises after the first epoch trained), and a
-`monitor` that is not logged only warns, each epoch then saved as "best".
-The filepath's keys are checked in `on_train_begin` against the keys the
-logs will hold, the monitor at the first epoch end against the logs.
-"""
-
+import contextlib
 import os
-import string
 import time
 from typing import Any
 
@@ -17,7 +10,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.keras_files import SUFFIXES, save_once, written_everywhere
+from keras_dist._checkpoint.keras_files import save_once, written_everywhere
 from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS
 from keras_dist._checkpoint.pipeline import (
     KerasFileSaves,
@@ -29,6 +22,12 @@ from keras_dist._private_api._access import step_counter
 from keras_dist._private_api._hooks import ModelCheckpointHooks
 from keras_dist._private_api._keras_saving import model_files
 from keras_dist._private_api._state import originals
+from keras_dist.callbacks._filepath_checks import (
+    check_filepath_keys,
+    check_monitor,
+    checked_filepath,
+    formats_logs,
+)
 from keras_dist.callbacks._lr_control import plain_learning_rate
 from keras_dist.callbacks._step_end import StepEnd
 from keras_dist.data import _call
@@ -123,24 +122,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 raise TypeError(
                     f"`{name}` must be True or False. Received: {name}={flag!r}."
                 )
-        if sharded:
-            if "{" in filepath or filepath.endswith(SUFFIXES):
-                raise ValueError(
-                    "With sharded=True, `filepath` is the directory of the "
-                    "checkpoints (one subdirectory per step): no `{}` keys and "
-                    f"no file suffix. Received: filepath={filepath!r}."
-                )
-        elif not filepath.endswith(SUFFIXES) and "." not in os.path.basename(filepath):
-            filepath += ".weights.h5" if weights_only else ".keras"
-        expected = (".weights.h5",) if weights_only else (".keras", ".h5")
-        if not sharded and (
-            not filepath.endswith(expected)
-            or (not weights_only and filepath.endswith(".weights.h5"))
-        ):
-            raise ValueError(
-                f"`filepath` must end in {' or '.join(expected)} with "
-                f"save_weights_only={weights_only}. Received: filepath={filepath!r}."
-            )
+        filepath = checked_filepath(
+            filepath, weights_only=weights_only, sharded=sharded
+        )
         if max_to_keep is not None:
             max_to_keep = check_int(max_to_keep, name="max_to_keep", meaning=" or None")
         if keep_period is not None:
@@ -168,53 +152,50 @@ class ModelCheckpoint(ModelCheckpointHooks):
             filepath if sharded else (os.path.dirname(filepath) or "."),
             argument="filepath",
         )
-        self._saves = KerasFileSaves(
-            self.directory,
-            owner="ModelCheckpoint",
-            async_save=async_save,
-            max_to_keep=max_to_keep,
-            keep_period=keep_period,
-            loadable=plain_learning_rate,
-        )
-        self._sharded: OrbaxSaves | None = None
+        # The save route: Keras's files, or (sharded) Orbax's, opened by `fit`.
+        self._saves: KerasFileSaves | OrbaxSaves | None = None
+        if not sharded:
+            self._saves = KerasFileSaves(
+                self.directory,
+                owner="ModelCheckpoint",
+                async_save=async_save,
+                max_to_keep=max_to_keep,
+                keep_period=keep_period,
+                loadable=plain_learning_rate,
+            )
         self._files: dict | None = None  # Keras's JSON and assets (sharded).
         self._last_save = time.monotonic()
         self._step_end = StepEnd()
         self._logs_each_step = self.save_freq != "epoch" and (
-            self.save_best_only or _formats_logs(filepath)
+            self.save_best_only or formats_logs(filepath)
         )
         if self._logs_each_step:  # Keras's hook: the step's logs, each step.
             self.on_train_batch_end = self._after_execution
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         super().on_train_begin(logs)
-        if not self.sharded:
+        if isinstance(self._saves, KerasFileSaves):
             check_filepath_keys(self.filepath, self.model)  # Before epoch 1 trains.
             self._saves.begin(
                 self.model, with_config=not self.save_weights_only, chief=_is_chief()
             )
+            self._saves.write_index(done=False, chief=_is_chief())
         else:
-            self._sharded = OrbaxSaves(
+            self._saves = OrbaxSaves(
                 self.directory,
                 owner="ModelCheckpoint",
                 async_save=self.async_save,
                 max_to_keep=self.max_to_keep,
                 keep_period=self.keep_period,
             )
-            self._sharded.store.prepare(
-                self.model, WEIGHTS if self.save_weights_only else tuple(GROUPS)
-            )
+            self._saves.store.prepare(self.model, self._groups)
             # Keras's model JSON and assets, made once a `fit`, here: making
             # them waits for every step dispatched (it reads the learning
             # rate). A model Keras cannot serialize fails at the first save,
             # as with Keras's `OrbaxCheckpoint`.
             self._files = None
-            if not self.save_weights_only:
-                try:
-                    with plain_learning_rate(self.model):  # Loadable without us.
-                        self._files = model_files(self.model)
-                except Exception:
-                    pass
+            with contextlib.suppress(Exception):
+                self._files = self._model_files()
         self._last_save = time.monotonic()
         # Steps are counted on the host from here, so a save need not read
         # the step counter (which waits for every step dispatched).
@@ -224,7 +205,6 @@ class ModelCheckpoint(ModelCheckpointHooks):
         )
         if call is not None:  # Keras skips on_train_end when fit raises.
             call.on_close(self._finish)
-        self._saves.write_index(done=False, chief=_is_chief())
 
     # No per-step hook: Keras's makes `fit` wait for every step, even with
     # `save_freq="epoch"` (`_step_end.StepEnd`). An execution's end is handled at
@@ -262,8 +242,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
         error = None
         try:
             self._finish()
-            # The marker `kd.callbacks.SidecarEvaluator` stops on.
-            self._saves.write_index(done=True, chief=_is_chief())
+            if isinstance(self._saves, KerasFileSaves):
+                # The marker `kd.callbacks.SidecarEvaluator` stops on.
+                self._saves.write_index(done=True, chief=_is_chief())
         except BaseException as failure:
             error = failure
         # `fit` returns on every process once the chief's files are there
@@ -276,23 +257,31 @@ class ModelCheckpoint(ModelCheckpointHooks):
         Raises:
             kd.errors.CheckpointWriteError: if it failed.
         """
-        self._saves.wait()
-        if self._sharded is not None:
-            self._sharded.wait()
+        if self._saves is not None:
+            self._saves.wait()
 
     def _check(self) -> None:
-        self._saves.check()
-        if self._sharded is not None:
-            self._sharded.check()
+        if self._saves is not None:
+            self._saves.check()
 
     def _finish(self) -> None:
         """Finishes the save in flight (raises its error); idempotent."""
-        sharded, self._sharded = self._sharded, None
-        try:
-            self._saves.close()
-        finally:
-            if sharded is not None:
-                sharded.close()
+        saves = self._saves
+        if isinstance(saves, OrbaxSaves):  # Opened by the next `fit`.
+            self._saves = None
+        if saves is not None:
+            saves.close()
+
+    @property
+    def _groups(self) -> tuple:
+        return WEIGHTS if self.save_weights_only else tuple(GROUPS)
+
+    def _model_files(self) -> dict | None:
+        """Keras's model JSON and assets (None: weights only)."""
+        if self.save_weights_only:
+            return None
+        with plain_learning_rate(self.model):  # Loadable without keras_dist.
+            return model_files(self.model)
 
     def _interval_passed(self, interval: float) -> bool:
         due = time.monotonic() - self._last_save >= interval
@@ -309,24 +298,25 @@ class ModelCheckpoint(ModelCheckpointHooks):
             return
         self._last_save = time.monotonic()
         self.model.jax_state_sync()  # The state a running `fit` holds.
-        step = self._step(batch)
+        step = self._step_end.step(self._step_end.last if batch is None else batch)
         if self.sharded:
-            if self._sharded is None:  # Made by on_train_begin.
+            if not isinstance(self._saves, OrbaxSaves):  # Opened by on_train_begin.
                 raise RuntimeError("ModelCheckpoint(sharded=True) saves only in `fit`.")
-            if self._files is None and not self.save_weights_only:
-                with plain_learning_rate(self.model):
-                    self._files = model_files(self.model)
-            path = self._sharded.save(
-                self.model,
-                step,
-                groups=WEIGHTS if self.save_weights_only else tuple(GROUPS),
-                files=None if self.save_weights_only else self._files,
+            if self._files is None:
+                self._files = self._model_files()
+            path = self._saves.save(
+                self.model, step, groups=self._groups, files=self._files
             )
             if path is not None and self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
             return
-        if _is_chief():
-            _check_not_dir(filepath)
+        assert isinstance(self._saves, KerasFileSaves)  # Made by __init__.
+        chief = _is_chief()
+        if chief and os.path.isdir(filepath):
+            raise IsADirectoryError(
+                f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
+                "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
+            )
         if filepath.endswith(".weights.h5" if self.save_weights_only else ".keras"):
             self._saves.save(
                 self.model,
@@ -334,22 +324,14 @@ class ModelCheckpoint(ModelCheckpointHooks):
                 epoch=epoch,
                 step=step,
                 with_config=not self.save_weights_only,
-                chief=_is_chief(),
+                chief=chief,
             )
         else:  # A legacy `.h5` model: Keras's own writer, on every process.
             self._saves.wait()  # An earlier background write first.
             self._write_legacy(filepath)
-            self._saves.kept(filepath, epoch=epoch, step=step, chief=_is_chief())
-        if self.verbose > 0 and _is_chief() and not self._saves.pending:
+            self._saves.kept(filepath, epoch=epoch, step=step, chief=chief)
+        if self.verbose > 0 and chief and not self._saves.pending:
             print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}")
-
-    def _step(self, batch: int | None) -> int:
-        """The training step a save after step index `batch` of this epoch
-        holds (`None`: the epoch's end): the optimizer's step count when
-        `fit` began plus the steps this `fit` ran, counted on the host (as
-        Keras's `OrbaxCheckpoint` counts batches). It equals the optimizer's
-        count unless a loss-scaling optimizer skipped steps."""
-        return self._step_end.step(self._step_end.last if batch is None else batch)
 
     def _write_legacy(self, filepath: str) -> None:
         keras_save = originals["Model.save"]
@@ -366,86 +348,3 @@ class ModelCheckpoint(ModelCheckpointHooks):
 def _is_chief() -> bool:
     """Whether this process writes the files (process 0)."""
     return jax.process_index() == 0
-
-
-def _check_not_dir(filepath: str) -> None:
-    if os.path.isdir(filepath):
-        raise IsADirectoryError(
-            f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
-            "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."
-        )
-
-
-def _formats_logs(filepath: str) -> bool:
-    """Whether `filepath` names a log value (`{loss:.2f}`), not only epoch/batch."""
-    try:
-        keys = _format_keys(filepath)
-    except ValueError:  # Keras's own formatting reports it.
-        return True
-    return any(key not in ("epoch", "batch") for key in keys)
-
-
-# The keys of the logs ----------------------------------------------------------
-
-_ALWAYS = ("epoch", "batch", "learning_rate")
-
-
-def _format_keys(filepath: str) -> list[str]:
-    keys = []
-    for _, field, _, _ in string.Formatter().parse(filepath):
-        if field:
-            keys.append(field.split(".")[0].split("[")[0])
-    return keys
-
-
-def _validates() -> bool | None:
-    state = _call.active()
-    return None if state is None else state.validates
-
-
-def check_filepath_keys(filepath: str, model: Any) -> None:
-    """Raises ValueError if `filepath` names a key the logs will not hold.
-
-    Models with their own `train_step` may log any key: not checked.
-    """
-    if type(model).train_step is not keras.Model.train_step:
-        return
-    metrics = list(model.get_metrics_result())
-    validates = _validates()
-    available = [*_ALWAYS, *metrics]
-    if validates is not False:
-        available += [f"val_{name}" for name in metrics]
-    for key in _format_keys(filepath):
-        if key in available or (validates is None and key.startswith("val_")):
-            continue
-        hint = ""
-        if key.startswith("val_") and key[4:] in metrics:
-            hint = (
-                " Validation keys exist only when `fit` validates: pass "
-                "`validation_data=` or `validation_split=`."
-            )
-        raise ValueError(
-            f"ModelCheckpoint's `filepath` uses the key {{{key}}}, which the logs "
-            f"of this `fit` will not hold. Received: filepath={filepath!r}. "
-            f"Available keys: {available}.{hint} Fix the key, e.g. "
-            "'ckpt_{epoch:02d}_{loss:.3f}.keras'."
-        )
-
-
-def check_monitor(monitor: str, logs: dict | None) -> None:
-    """Raises ValueError if `monitor` is not in an epoch's `logs`.
-
-    A `val_` key whose training twin is logged is allowed: validation may
-    not run every epoch (`validation_freq`).
-    """
-    if logs is None or monitor in logs:
-        return
-    if monitor.startswith("val_") and monitor[4:] in logs and _validates():
-        return
-    raise ValueError(
-        f"ModelCheckpoint's `monitor` is not in the logs, so with "
-        f"save_best_only=True no epoch can be compared (Keras would save every "
-        f"epoch as the best). Received: monitor={monitor!r}. Available keys: "
-        f"{sorted(logs)}. Pass one of them, e.g. monitor='loss'"
-        + (" or 'val_loss' with validation data." if "loss" in logs else ".")
-    )

@@ -9,21 +9,17 @@ class StepEnd:
     """The last step index of each finished training execution.
 
     Keras's `CallbackList` (JAX backend) runs `on_train_batch_end` hooks on a
-    background thread, so the loop dispatches the next step while the
-    devices run this one, unless a callback defines that hook without
-    declaring `async_safe`: then every step waits for its logs. A
-    checkpoint callback needs the training thread, not the logs: it calls
-    `begin(batch)` from `on_train_batch_begin` and `epoch_end()` from
-    `on_epoch_end`, each returning the last step index (in the epoch) of
-    the execution (`steps_per_execution` steps) that finished since, or
-    None; `reset()` from `on_epoch_begin`. The model's state there is the
-    one that execution left.
+    background thread unless a callback defines that hook without declaring
+    `async_safe`: then every step waits for its logs. A checkpoint callback
+    needs the training thread, not the logs: `begin(batch)` (from
+    `on_train_batch_begin`) and `epoch_end()` return the last step index of
+    the execution that finished since, or None; `reset()` at each epoch's
+    begin. The model's state there is the one that execution left.
 
-    It also counts the steps this `fit` ran on the host, from the number
-    `start` is given (`step`), so a save numbered by them need not read the
-    optimizer's counter (which waits for every step dispatched). An epoch's
-    short last execution counts to the epoch's end where the number of
-    steps is known, as planned where it is not (as Keras's callbacks count).
+    It counts the steps this `fit` ran on the host from `start`'s number
+    (`step`), so a save need not read the optimizer's counter (which waits
+    for every step dispatched), counting an epoch's short last execution to
+    the epoch's end as Keras's callbacks do.
     """
 
     def __init__(self) -> None:

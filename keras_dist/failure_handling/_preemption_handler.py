@@ -1,29 +1,22 @@
 """`PreemptionCheckpointHandler`: a custom loop saves at one agreed step and exits."""
 
 import os
-import signal
-import threading
 import time
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, Protocol
 
-import jax
 import keras
-from jax.experimental import multihost_utils
 
 from keras_dist._checkpoint.orbax_store import GROUPS
 from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.cluster import _sync
 from keras_dist.cluster._environment import resolve
+from keras_dist.cluster._preemption import PreemptionNotice
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.failure_handling._termination_config import TerminationConfig
 
 __all__ = ["PreemptionCheckpointHandler"]
-
-# What `signal.signal` returns and takes.
-_SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 
 class _Manager(Protocol):
@@ -66,7 +59,7 @@ class _ModelState:
         self._store.save(self.model, number, groups=groups, meta=meta)
 
     def restore(self) -> dict | None:
-        return self._store.restore(self.model)
+        return self._store.store.restore(self.model)
 
 
 def _manager(
@@ -174,8 +167,7 @@ class PreemptionCheckpointHandler:
         self._run_seconds: float | None = None
         self._final_run: int | None = None
         self._watcher_fired = False
-        self._notice = threading.Event()
-        self._previous_handler: _SignalHandler = None
+        self._notice = PreemptionNotice()
         meta = self._manager.restore()
         if meta is not None:
             self._run_counter = int(meta["total_run_calls"])
@@ -185,7 +177,7 @@ class PreemptionCheckpointHandler:
                     f"{self._run_counter}.",
                     flush=True,
                 )
-        self._install_sigterm_handler()
+        self._notice.install()
 
     @property
     def total_run_calls(self) -> int:
@@ -241,9 +233,7 @@ class PreemptionCheckpointHandler:
 
     def close(self) -> None:
         """Gives SIGTERM back to its previous handler (one process only)."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        self._notice.uninstall()
 
     # Notice -------------------------------------------------------------
 
@@ -251,26 +241,9 @@ class PreemptionCheckpointHandler:
         watcher = self.termination_config.termination_watcher_fn
         if watcher is not None and not self._watcher_fired and watcher():
             self._watcher_fired = True
-            if jax.process_count() > 1:
-                os.kill(os.getpid(), signal.SIGTERM)  # JAX tells the others.
-            else:
-                self._notice.set()
-        if jax.process_count() == 1:
-            return self._notice.is_set()
-        # Every process passes the same growing run numbers; JAX's
-        # preemption service returns True at the same one everywhere.
-        return multihost_utils.reached_preemption_sync_point(self._run_counter)
-
-    def _install_sigterm_handler(self) -> None:
-        """With one process SIGTERM is caught here (JAX's service owns it
-        with several)."""
-        if jax.process_count() > 1:
-            return
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self._previous_handler = signal.signal(
-            signal.SIGTERM, lambda signum, frame: self._notice.set()
-        )
+            self._notice.notify()
+        # Every process passes the same growing run numbers.
+        return self._notice.reached(self._run_counter)
 
     # Save and exit ------------------------------------------------------
 

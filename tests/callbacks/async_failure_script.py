@@ -70,7 +70,7 @@ fresh.optimizer.build(fresh.trainable_variables)
 store = OrbaxSaves(
     backup_dir, owner="BackupAndRestore", what="backup", async_save=False
 )
-meta = store.restore(fresh)
+meta = store.store.restore(fresh)
 store.close()
 step = int(np.asarray(fresh.optimizer.iterations.value))
 same = all(

@@ -201,7 +201,7 @@ def test_a_backup_of_another_format_is_refused_naming_who_wrote_it(tmp_path):
         match=r"in the format keras_dist\.orbax/3, written by keras_dist 0\.9\.0; "
         rf"this keras_dist {re.escape(kd.__version__)} reads keras_dist\.orbax/2\.",
     ):
-        _store(tmp_path).restore(_built(False, 8))
+        _store(tmp_path).store.restore(_built(False, 8))
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -220,7 +220,7 @@ def test_one_process_backups_restore_onto_any_layout(
     for target, devices in [(False, 8), (True, 8), (True, 4), (False, 1)]:
         restored = _built(target, devices)
         store = _store(tmp_path)
-        meta = store.restore(restored)
+        meta = store.store.restore(restored)
         store.close()
         assert meta["epoch"] == 1
         _assert_same_state(written, restored)
@@ -244,7 +244,7 @@ def test_a_torn_backup_is_skipped_for_the_previous_one(tmp_path):
     restored = _built()
     store = _store(tmp_path)
     with pytest.warns(UserWarning, match="the backup of step 2 .* cannot be read"):
-        assert store.restore(restored)["epoch"] == 1
+        assert store.store.restore(restored)["epoch"] == 1
     store.close()
     assert not np.array_equal(
         np.asarray(restored.trainable_variables[0].value),

@@ -125,7 +125,7 @@ def from_one_process(strategy) -> dict:
         what="backup",
         async_save=False,
     )
-    meta = store.restore(model)
+    meta = store.store.restore(model)
     store.close()
     state = [*model.variables, *model.optimizer.variables]
     kernel = model.trainable_variables[0].value
