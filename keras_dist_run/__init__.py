@@ -18,7 +18,15 @@ preemption: the processes get `--preemption-grace` seconds to back up and
 exit, then SIGKILL; the launcher exits with 128 + the signal). If a process
 exits with a non-zero status, the others are stopped (SIGTERM, then SIGKILL
 after 10 s: JAX ignores SIGTERM once it joined a cluster) and the launcher
-exits with that status — within 30 s, never hanging. Gloo's connection
+exits with that status — within 30 s, never hanging. A process whose
+keras_dist heartbeat stops (`--heartbeat-timeout`, default 60 s: SIGSTOP, a
+frozen host) or, with `--hang-timeout`, a cluster whose training loop makes
+no step that long is killed likewise. The launcher's last line names the
+process, its step and the cause; with `--max-restarts N` it starts the
+whole group again instead, up to N times (`BackupAndRestore` resumes it),
+unless the same exception ended a process at the same step as before.
+`--compilation-cache` (default ~/.cache/keras-dist-run/jax) keeps JAX's
+compiled programs for the restarts. Gloo's connection
 lines (`[Gloo] Rank 0 is connected to 1 peer ranks...`), which say nothing a
 user can act on, are dropped unless `--verbose`.
 
@@ -48,6 +56,8 @@ import time
 from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import IO
+
+from keras_dist_run._health import Failure, Watch, at_step, failure_record
 
 __all__ = ["main"]
 
@@ -93,6 +103,9 @@ _EXAMPLES = """examples:
       on Ctrl-C or SIGTERM the processes get 120 s to back up and exit
   keras-dist-run -n 2 --evaluator train.py
       one more process with TF_CONFIG task "evaluator" (SidecarEvaluator)
+  keras-dist-run -n 2 --max-restarts 3 train.py
+      a process that dies or stops answering restarts all of them, up to 3
+      times; BackupAndRestore resumes training where it was backed up
 """
 
 
@@ -195,6 +208,41 @@ def _parser() -> argparse.ArgumentParser:
         "up and exit before SIGKILL (default 60)",
     )
     parser.add_argument(
+        "--max-restarts",
+        type=_number(int, "a whole number", 0),
+        default=0,
+        metavar="N",
+        help="when a process fails or hangs, stop all and start them again, up "
+        "to N times; BackupAndRestore resumes them (default 0). The same "
+        "exception at the same step twice in a row is not retried",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=_number(float, "seconds", 1),
+        default=60.0,
+        metavar="SECONDS",
+        help="a process whose keras_dist heartbeat (a thread, once a second) "
+        "stops this long is frozen: it is killed, the others stopped "
+        "(default 60; JAX's own check aborts a peer after about 100)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=_number(float, "seconds", 1),
+        default=None,
+        metavar="SECONDS",
+        help="while fit/evaluate/predict runs, no step on any process for this "
+        "long is a hang: the process furthest behind is named and all are "
+        "stopped (default: off; set it above your longest compile or save)",
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        default=None,
+        metavar="DIR",
+        help="JAX's persistent compilation cache for the processes, so a "
+        "restart does not compile again (default: $JAX_COMPILATION_CACHE_DIR "
+        "if set, else ~/.cache/keras-dist-run/jax; 'none': off)",
+    )
+    parser.add_argument(
         "--evaluator",
         action="store_true",
         help="also start one evaluator process (TF_CONFIG task 'evaluator', "
@@ -251,7 +299,12 @@ def _command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
 
 
 def _environment(
-    rank: int | None, n: int, port: int, devices: int | None, state: str
+    rank: int | None,
+    n: int,
+    port: int,
+    devices: int | None,
+    state: str,
+    cache: str | None = None,
 ) -> dict:
     """A worker's variables, or (`rank=None`) the evaluator's TF_CONFIG."""
     env = dict(os.environ)
@@ -264,6 +317,8 @@ def _environment(
     # them: importing keras_dist set it); a backend the user set is kept
     # (keras_dist then says it needs JAX).
     env.setdefault("KERAS_BACKEND", "jax")
+    if cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache
     if rank is None:
         # Only worker 0's address is real (the coordinator); the others just
         # have to be distinct: the evaluator connects to none of them.
@@ -322,12 +377,14 @@ def _pump(rank: "int | str", stream: IO[str], sink: IO[str], verbose: bool) -> N
 
 
 class _Cluster:
-    def __init__(self, args: argparse.Namespace) -> None:
+    """One start of the processes (an attempt: `--max-restarts` starts more)."""
+
+    def __init__(self, args: argparse.Namespace, state: str, port: int) -> None:
         self.n = args.num_processes
-        port = args.port or free_port()
         # Where each process says it is joining the cluster, then joined
-        # (`kd.cluster.initialize`): names one that ends without joining.
-        self.state = tempfile.mkdtemp(prefix="keras-dist-run-")
+        # (`kd.cluster.initialize`), and its heartbeat (`_health.py`).
+        self.state = state
+        self.watch = Watch(state, self.n, args.heartbeat_timeout, args.hang_timeout)
         self.alone: set[int] = set()  # Ended (status 0) without joining.
         command = args.command
         self.processes: list[subprocess.Popen] = []
@@ -337,7 +394,12 @@ class _Cluster:
             process = subprocess.Popen(
                 command,
                 env=_environment(
-                    rank, self.n, port, args.devices_per_process, self.state
+                    rank,
+                    self.n,
+                    port,
+                    args.devices_per_process,
+                    self.state,
+                    args.compilation_cache,
                 ),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -360,6 +422,11 @@ class _Cluster:
         self.interrupted: int | None = None
         self.preemption_grace = args.preemption_grace
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL to a worker's process group (a stopped process too)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.workers[rank].pid, signal.SIGKILL)
+
     def signal_all(self, signum: int) -> None:
         for process in self.processes:
             if process.poll() is None:
@@ -378,7 +445,9 @@ class _Cluster:
         for process in self.processes:
             process.wait(timeout=10)
 
-    def run(self) -> int:
+    def run(self) -> "int | Failure":
+        """Until the workers end: an exit status, or the `Failure` that
+        stopped them (a worker failed or hung; the others stopped)."""
         evaluator_reported = False
         while True:
             if self.interrupted is not None:
@@ -390,6 +459,11 @@ class _Cluster:
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 return self._stop_after_failure(failed)
+            running = [rank for rank, c in enumerate(codes) if c is None]
+            hung = self.watch.hung(running)
+            if hung is not None:
+                self.kill(hung.rank)  # Frozen: it would not see a SIGTERM.
+                return self._stop(hung)
             waited_for = self._ended_alone(codes)
             if waited_for is not None:
                 return waited_for
@@ -449,20 +523,48 @@ class _Cluster:
         self.stop()
         return 1
 
-    def _stop_after_failure(self, failed: list) -> int:
-        # A process killed by a signal is the cause; peers that fail at the
-        # same time usually fail because it vanished.
-        rank, code = min(failed, key=lambda failure: failure[1] > 0)
-        running = sum(p.poll() is None for p in self.processes)
+    def _stop_after_failure(self, failed: list) -> Failure:
+        # A process killed by a signal is the cause, else the first to fail:
+        # peers that fail at the same time usually fail because it vanished.
+        records = {rank: failure_record(self.state, rank) for rank, _ in failed}
+
+        def first(failure: tuple) -> tuple:
+            record = records[failure[0]] or {}
+            return (failure[1] > 0, record.get("time", float("inf")))
+
+        rank, code = min(failed, key=first)
         before = "" if self._said("joined", rank) or self.n == 1 else " before joining"
+        record = records[rank]
+        status = code if code > 0 else 128 - code
+        if record is not None:  # An uncaught exception: its type, message, step.
+            error = f"{record.get('type')}: {record.get('message')}"
+            if record.get("where"):
+                error += f" ({record['where']})"
+            return self._stop(
+                Failure(
+                    rank,
+                    f"process {rank} failed{at_step(record.get('step'))} with {error}",
+                    status,
+                    (record.get("type"), record.get("message"), record.get("step")),
+                )
+            )
+        step = at_step(self.watch.step(rank))
+        line = f"process {rank} {_how(code)}{step}{before}"
+        return self._stop(Failure(rank, line, status))
+
+    def _stop(self, failure: Failure) -> Failure:
+        running = sum(
+            p.poll() is None
+            for p in self.processes
+            if p is not self.workers[failure.rank]
+        )
         print(
-            f"keras-dist-run: process {rank} {_how(code)}{before}; "
-            f"stopping the other {running}.",
+            f"keras-dist-run: {failure.line}; stopping the other {running}.",
             file=sys.stderr,
             flush=True,
         )
         self.stop()
-        return code if code > 0 else 128 - code
+        return failure
 
 
 def _listed(ranks: list[int]) -> str:
@@ -497,21 +599,69 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     args.command = _command(args, parser)
-    cluster = _Cluster(args)
+    args.compilation_cache = _compilation_cache(args.compilation_cache)
+    interrupted: dict = {}
+    cluster: _Cluster | None = None
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        cluster.interrupted = signum
+        interrupted["signal"] = signum
+        if cluster is not None:
+            cluster.interrupted = signum
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous_handlers = {
+        s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)
+    }
+    previous: Failure | None = None
     try:
-        code = cluster.run()
+        for restart in range(args.max_restarts + 1):
+            state = tempfile.mkdtemp(prefix="keras-dist-run-")
+            try:
+                cluster = _Cluster(args, state, args.port or free_port())
+                cluster.interrupted = interrupted.get("signal")
+                outcome = cluster.run()
+            finally:
+                if cluster is not None:
+                    for pump in cluster.pumps:
+                        pump.join(timeout=5)
+                shutil.rmtree(state, ignore_errors=True)
+            if not isinstance(outcome, Failure):
+                return outcome
+            again = previous is not None and outcome.signature is not None
+            if again and outcome.signature == previous.signature:  # type: ignore[union-attr]
+                _last_word(
+                    f"{outcome.line}, as before the restart: a restart does not "
+                    f"fix it; exiting with status {outcome.code}."
+                )
+                return outcome.code
+            if restart == args.max_restarts or "signal" in interrupted:
+                left = " (no restarts left)" if args.max_restarts else ""
+                _last_word(f"{outcome.line}; exiting with status {outcome.code}{left}.")
+                return outcome.code
+            _last_word(
+                f"{outcome.line}; restarting all {args.num_processes} (restart "
+                f"{restart + 1} of {args.max_restarts})."
+            )
+            previous = outcome
+        raise AssertionError("unreachable")
     finally:
-        for s, handler in previous.items():
+        for s, handler in previous_handlers.items():
             signal.signal(s, handler)
-        for pump in cluster.pumps:
-            pump.join(timeout=5)
-        shutil.rmtree(cluster.state, ignore_errors=True)
-    return code
+
+
+def _last_word(line: str) -> None:
+    """What the launcher says once every process has stopped and its output
+    is relayed: the last line a user reads, not a survivor's traceback."""
+    print(f"keras-dist-run: {line}", file=sys.stderr, flush=True)
+
+
+def _compilation_cache(option: str | None) -> str | None:
+    """The processes' JAX compilation cache folder (None: leave as is)."""
+    if option is not None:
+        return None if option.lower() == "none" else os.path.abspath(option)
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None  # The user's, inherited.
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(root, "keras-dist-run", "jax")
 
 
 if __name__ == "__main__":

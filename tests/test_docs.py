@@ -280,3 +280,25 @@ def test_large_models_guide_model_parallel_example_runs():
     assert out[0] == "2 {'batch': 2, 'model': 4}"
     assert out[1] == "(37, 12)"
     assert out[2] == "P('model', 'batch')"
+
+
+def test_failures_guide_flags_are_the_launchers_with_their_defaults():
+    from keras_dist_run import _parser
+
+    text = (GUIDES / "failures.md").read_text()
+    rows = re.findall(r"^\| `(--[a-z-]+) [A-Z]+` \| ([^|]+) \|", text, re.MULTILINE)
+    assert {flag for flag, _ in rows} == {
+        "--max-restarts",
+        "--heartbeat-timeout",
+        "--hang-timeout",
+        "--compilation-cache",
+    }
+    defaults = {
+        a.option_strings[0]: a.default for a in _parser()._actions if a.option_strings
+    }
+    for flag, documented in rows:
+        default = defaults[flag]
+        if documented.strip() == "off":
+            assert default is None, flag
+        elif documented.strip() != "see above":
+            assert float(documented) == default, flag

@@ -12,6 +12,7 @@ from keras_dist._checks import check_int
 from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._processes import prepare_call
 from keras_dist._seams._trainer import current_strategy
+from keras_dist.cluster import _heartbeat
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._base import Strategy
@@ -64,6 +65,7 @@ def _entry_point(method: Callable) -> Callable:
                 _call.enter(method.__name__, strategy, initial_epoch=initial_epoch)
             )
             state.check_batch, state.validates = check, validates
+            stack.enter_context(_heartbeat.in_call())  # Its steps are progress.
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]

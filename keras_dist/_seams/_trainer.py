@@ -56,6 +56,7 @@ from keras_dist._seams._adapters import (
     adapter_dataset,
     resident_pass,
 )
+from keras_dist.cluster import _heartbeat
 from keras_dist.data import _call
 from keras_dist.data.host._auto_shard import is_per_process
 from keras_dist.data.host._pipeline import InputPass, keras_batch
@@ -243,10 +244,12 @@ def _enumerate_iterator(self):
     original = _originals["JAXEpochIterator._enumerate_iterator"]
     call = _call.active()
     plan = call.take_resume() if call is not None and call.method == "fit" else None
+    training = call is not None and call.method == "fit"
     if plan is None:
         for begin, end, iterator in original(self):
             if call is not None:
                 call.last_end_step = end
+            _heartbeat.beat(end - begin + 1, training=training)
             yield begin, end, iterator
         return
     _check_replayable(self, plan)
@@ -265,6 +268,7 @@ def _enumerate_iterator(self):
             continue
         if call is not None:
             call.last_end_step = end
+        _heartbeat.beat(end - begin + 1, training=training)
         yield begin, end, iterator
 
 

@@ -11,6 +11,7 @@ from keras_dist._checks import check_int
 from keras_dist._private_api import _access
 from keras_dist._private_api._access import step_counter
 from keras_dist.callbacks._step_end import StepEnd
+from keras_dist.cluster import _heartbeat
 from keras_dist.cluster._preemption import PreemptionNotice
 from keras_dist.data import _call
 from keras_dist.strategies._base import strategy_of_model
@@ -130,6 +131,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._restore(call)
         store.store.prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
+        _heartbeat.set_step(self._global_step)  # Where the launcher sees it.
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.

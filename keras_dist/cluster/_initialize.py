@@ -11,7 +11,7 @@ import jax
 
 from keras_dist._backend import backend_started, jax_option, size_cpu_thread_pool
 from keras_dist._private_api import _jax_private
-from keras_dist.cluster import _sync
+from keras_dist.cluster import _heartbeat, _sync
 from keras_dist.cluster._environment import check_address, resolve, tell_launcher
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
@@ -51,6 +51,7 @@ def _exit_fast_on_errors() -> None:
         traceback: TracebackType | None,
     ) -> None:
         previous(kind, value, traceback)
+        _heartbeat.record_failure(kind, value, traceback)
         _sync.mark_exit("failed")
         sys.stdout.flush()
         sys.stderr.flush()
@@ -190,6 +191,7 @@ def initialize(
     _STATE.update(resolver=resolver, joined=True)
     if resolver.source == "keras-dist-run":
         tell_launcher("joined", resolver.process_id)
+        _heartbeat.start(resolver.process_id)
     _exit_fast_on_errors()
     # Before JAX's shutdown barrier (registered earlier, so run later).
     atexit.register(_sync.mark_exit, "finished its program")

@@ -10,7 +10,7 @@ import keras
 from keras_dist._checkpoint.orbax_store import GROUPS
 from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
 from keras_dist.callbacks._chief import is_chief
-from keras_dist.cluster import _sync
+from keras_dist.cluster import _heartbeat, _sync
 from keras_dist.cluster._environment import resolve
 from keras_dist.cluster._preemption import PreemptionNotice
 from keras_dist.cluster._resolver import ClusterResolver
@@ -171,6 +171,7 @@ class PreemptionCheckpointHandler:
         meta = self._manager.restore()
         if meta is not None:
             self._run_counter = int(meta["total_run_calls"])
+            _heartbeat.set_step(self._run_counter)
             if is_chief():
                 print(
                     "PreemptionCheckpointHandler: restored the checkpoint of run "
@@ -195,6 +196,7 @@ class PreemptionCheckpointHandler:
         start = time.monotonic()
         result = distributed_train_function(*args, **kwargs)
         self._run_counter += 1
+        _heartbeat.beat(1, training=True)
         seconds = time.monotonic() - start
         if self._run_seconds is not None:  # A moving average of a run's time.
             seconds = 0.8 * self._run_seconds + 0.2 * seconds

@@ -226,20 +226,30 @@ def custom_loop_run(strategy) -> dict:
 
 
 class _KillAt(keras.callbacks.Callback):
-    """SIGKILLs this process after global train step `step` (once: a marker file)."""
+    """A fault after global train step `step`: `how` is "kill" (SIGKILL),
+    "stop" (SIGSTOP: frozen, never answering), "hang" (sleeps in the loop,
+    its threads alive), each once (a marker file), or "raise" (a ValueError
+    every time: a bug a restart does not fix)."""
 
-    def __init__(self, step: int, marker: str):
+    def __init__(self, step: int, marker: str, how: str = "kill"):
         super().__init__()
-        self.step, self.marker, self.seen = step, marker, 0
+        self.step, self.marker, self.seen, self.how = step, marker, 0, how
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
-        if self.seen == self.step and not os.path.exists(self.marker):
-            import signal
+        if self.how == "raise":  # At the same global step after a restart.
+            if int(np.asarray(self.model.optimizer.iterations.value)) == self.step:
+                raise ValueError(f"a bad batch at step {self.step}")
+            return
+        if self.seen != self.step or os.path.exists(self.marker):
+            return
+        import signal
 
-            with open(self.marker, "w") as f:
-                f.write(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        with open(self.marker, "w") as f:
+            f.write(str(time.time()))
+        if self.how == "hang":
+            time.sleep(600)
+        os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)
 
 
 class _PrintSteps(keras.callbacks.Callback):
@@ -277,7 +287,11 @@ def _stepped_input(kind: str, x, y, sw) -> dict:
 
 
 def backup_run(
-    strategy, backup_dir: str, kill_at: int | None = None, kind: str = "numpy"
+    strategy,
+    backup_dir: str,
+    kill_at: int | None = None,
+    kind: str = "numpy",
+    how: str = "kill",
 ) -> list:
     """3 epochs of 7 steps with backups every 3 steps; may kill itself once.
 
@@ -290,7 +304,8 @@ def backup_run(
     backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=3, async_save=False)
     callbacks = [backup, _PrintSteps()]
     if kill_at is not None:
-        callbacks.append(_KillAt(kill_at, os.path.join(backup_dir, "..", "killed")))
+        marker = os.path.join(backup_dir, "..", "killed")
+        callbacks.append(_KillAt(kill_at, marker, how))
     if kind == "numpy":
         inputs = {"x": x, "y": y, "sample_weight": sw, "batch_size": BATCH}
     else:

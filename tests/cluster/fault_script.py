@@ -1,7 +1,8 @@
 """One process of a BackupAndRestore run that may lose a worker.
 
 Args: a work directory; env KD_KILL_RANK / KD_KILL_AT make that rank SIGKILL
-itself after that many train steps (only once: a marker file remembers it);
+itself after that many train steps (only once: a marker file remembers it;
+KD_FAULT: "stop", "hang" or "raise" instead, `_workload._KillAt`);
 KD_INPUT picks the input (`_workload.backup_run`).
 Writes `weights_<rank>.json` when training ends.
 """
@@ -33,6 +34,7 @@ weights = _workload.backup_run(
     os.path.join(workdir, "backup"),
     kill_at,
     os.environ.get("KD_INPUT", "numpy"),
+    os.environ.get("KD_FAULT", "kill"),
 )
 with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
     json.dump(weights, f)

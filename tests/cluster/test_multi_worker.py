@@ -31,12 +31,13 @@ HERE = pathlib.Path(__file__).parent
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
-def launch(script, *args, n=2, devices=4, timeout=400, env=None):
+def launch(script, *args, n=2, devices=4, timeout=400, env=None, flags=()):
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     environ.update(env or {})
     command = [sys.executable, "-m", "keras_dist_run", "-n", str(n)]
-    command += ["--devices-per-process", str(devices), str(script), *map(str, args)]
+    command += ["--devices-per-process", str(devices), *flags]
+    command += [str(script), *map(str, args)]
     return subprocess.run(
         command,
         env=environ,

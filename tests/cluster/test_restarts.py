@@ -1,0 +1,102 @@
+"""`keras-dist-run --max-restarts`: a job that loses a process finishes by itself.
+
+Real 2-process clusters (one device a process, as most GPU clusters run)
+training `_workload.backup_run` (3 epochs of 7 steps, a backup every 3
+steps); a fault injected once at global step 11 (`_workload._KillAt`): a
+SIGKILL of the chief or a worker, a SIGSTOP, a loop that stops making
+steps, or a ValueError raised every time. The launcher names the process
+and the cause in its last line, restarts the group, and the run ends with
+the weights of an uninterrupted one-device run (the exact resume itself is
+`BackupAndRestore`'s, tested bit for bit in `test_faults.py` and
+`test_kill_trials.py`).
+"""
+
+import json
+import re
+
+import pytest
+
+import keras_dist as kd
+from tests._helpers import assert_weights_close
+from tests.cluster import _workload
+from tests.cluster.test_multi_worker import HERE, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.processes]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    backup = tmp_path_factory.mktemp("reference") / "backup"
+    return _workload.backup_run(kd.OneDeviceStrategy("cpu:0"), str(backup))
+
+
+def _faulty_run(tmp_path, rank: int, how: str, *flags: str):
+    env = {"KD_KILL_RANK": str(rank), "KD_KILL_AT": "11", "KD_FAULT": how}
+    return launch(HERE / "fault_script.py", tmp_path, devices=1, env=env, flags=flags)
+
+
+def _assert_restarted_and_exact(result, tmp_path, reference, cause: str) -> None:
+    """One restart, announced after the first run's output, resumed from the
+    backup of step 9 (epoch 2, step 3), ending with the reference weights."""
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    line = re.search(
+        rf"keras-dist-run: {cause}; restarting all 2 \(restart 1 of 2\)\.\n",
+        result.stderr,
+    )
+    assert line, result.stderr[-4000:]
+    # The cause is the last word of the first run: no survivor's traceback after it.
+    assert result.stderr.rfind("Traceback") < line.start()
+    assert "[0] BackupAndRestore: resuming at epoch 2, step 3" in result.stdout
+    for r in (0, 1):
+        weights = json.loads((tmp_path / f"weights_{r}.json").read_text())
+        assert_weights_close(reference, weights)
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["chief", "worker"])
+def test_a_killed_process_is_restarted_and_the_run_finishes_exactly(
+    tmp_path, reference, rank
+):
+    result = _faulty_run(tmp_path, rank, "kill", "--max-restarts", "2")
+    # The step is the killed process's last heartbeat (once a second).
+    cause = rf"process {rank} was killed by SIGKILL at step \d+"
+    _assert_restarted_and_exact(result, tmp_path, reference, cause)
+
+
+def test_a_stopped_process_is_named_not_the_healthy_one(tmp_path, reference):
+    # SIGSTOP: JAX's coordination service would abort process 0 after ~100 s
+    # and the launcher would have blamed it. Its heartbeat names process 1.
+    result = _faulty_run(
+        tmp_path, 1, "stop", "--max-restarts", "2", "--heartbeat-timeout", "5"
+    )
+    # At the step the others wait in for it (its own last heartbeat may be
+    # a second older).
+    cause = r"process 1 stopped answering at step 1[0-2] \(no heartbeat for [5-9] s\)"
+    _assert_restarted_and_exact(result, tmp_path, reference, cause)
+    assert "SIGABRT" not in result.stderr
+
+
+def test_a_loop_that_stops_making_steps_is_a_hang(tmp_path, reference):
+    # Process 1 sleeps inside a callback: its threads answer, no step runs
+    # anywhere (process 0 waits for it in the next step's collective).
+    result = _faulty_run(
+        tmp_path, 1, "hang", "--max-restarts", "2", "--hang-timeout", "20"
+    )
+    cause = r"(process 1|no process) made no progress for 2\d s at step 1[01][^;]*"
+    _assert_restarted_and_exact(result, tmp_path, reference, cause)
+
+
+def test_the_same_exception_at_the_same_step_is_not_retried_again(tmp_path):
+    result = _faulty_run(tmp_path, 1, "raise", "--max-restarts", "3")
+    assert result.returncode == 1, result.stderr[-4000:]
+    cause = (
+        "process 1 failed at step 11 with ValueError: a bad batch at step 11 "
+        "(" + str(HERE.parent / "cluster" / "_workload.py")
+    )
+    assert result.stderr.count(f"keras-dist-run: {cause}") == 4, result.stderr[-4000:]
+    assert "restarting all 2 (restart 1 of 3)." in result.stderr
+    assert "restart 2 of 3" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"keras-dist-run: {cause}")
+    assert last.endswith(
+        "as before the restart: a restart does not fix it; exiting with status 1."
+    )
