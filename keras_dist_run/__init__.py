@@ -319,6 +319,8 @@ def _environment(
     env.setdefault("KERAS_BACKEND", "jax")
     if cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = cache
+        # Every program: a restart would compile the small ones again too.
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if rank is None:
         # Only worker 0's address is real (the coordinator); the others just
         # have to be distinct: the evaluator connects to none of them.

@@ -61,3 +61,32 @@ def pytest_collection_modifyitems(config, items):
     """
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # Stable.
+    if config.getoption("one_case_each"):
+        _keep_one_case_each(config, items)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--one-case-each",
+        action="store_true",
+        help="run one parametrization of each test function (CI's newest-stack "
+        "stage: every test's code on the newest JAX and Keras, each strategy, "
+        "model and input somewhere, not every combination again)",
+    )
+
+
+def _keep_one_case_each(config, items) -> None:
+    """Keeps one case of each parametrized test: a different one for each
+    test (by a hash of its name), so that across the suite every value of a
+    shared parameter (a strategy, a layout) still runs."""
+    import zlib
+
+    cases: dict = {}
+    for item in items:
+        cases.setdefault(item.nodeid.split("[")[0], []).append(item)
+    keep = set()
+    for name, group in cases.items():
+        keep.add(id(group[zlib.crc32(name.encode()) % len(group)]))
+    dropped = [item for item in items if id(item) not in keep]
+    items[:] = [item for item in items if id(item) in keep]
+    config.hook.pytest_deselected(items=dropped)

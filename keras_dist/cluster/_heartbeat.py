@@ -45,10 +45,10 @@ def _write(path: str, payload: dict) -> None:
         os.replace(tmp, path)
 
 
-def start(process_id: int) -> None:
+def start(process_id: int | None) -> None:
     """Starts this process's heartbeat thread (once; only under the launcher)."""
     folder = _folder()
-    if folder is None or _STARTED:
+    if folder is None or process_id is None or _STARTED:
         return
     path = os.path.join(folder, f"heartbeat_{process_id}")
     stop = threading.Event()

@@ -1,0 +1,226 @@
+"""Faults injected under `keras-dist-run --max-restarts`: exact finish, restart time.
+
+Each trial launches `tests/cluster/fault_script.py` (`_workload.backup_run`:
+3 epochs of 7 steps, a `BackupAndRestore` backup every 3 steps) as a real
+cluster with `--max-restarts 3 --heartbeat-timeout 5`, and injects one fault
+at a random global step (seeded): SIGKILL of a random worker, SIGKILL of the
+chief, or SIGSTOP of a random process. A trial passes when the launcher
+exits 0 after exactly one restart and every process's final weights equal
+an uninterrupted one-device run's (`assert_weights_close`: the suite's
+tolerance). It also times the restart: from the fault (the faulty process
+writes the time before it kills or stops itself) to the first training
+step after the resume (the chief's `step N` line), with JAX's compilation
+cache on (the launcher's default, emptied before each trial, filled by the
+trial's first run) and off (`--compilation-cache none`).
+
+Writes `--out/restarts.json` and `.md`.
+
+    python benchmarks/restarts.py --trials 10 --processes 2 4
+    python benchmarks/restarts.py --trials 3 --processes 2   # a quick look
+"""
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+KINDS = ("kill-worker", "kill-chief", "stop")
+STEPS = 21  # 3 epochs of 7 steps.
+
+
+def _trial(workdir: pathlib.Path, n: int, kind: str, rank: int, step: int, cache: bool):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.update(
+        TF_CPP_MIN_LOG_LEVEL="3",
+        KD_KILL_RANK=str(rank),
+        KD_KILL_AT=str(step),
+        KD_FAULT="stop" if kind == "stop" else "kill",
+        KD_STEP_SECONDS="0.1",  # A step long enough to be seen by a heartbeat.
+    )
+    cache_dir = workdir / "jax-cache"
+    command = [
+        sys.executable,
+        "-m",
+        "keras_dist_run",
+        "-n",
+        str(n),
+        "--devices-per-process",
+        "1",
+        "--max-restarts",
+        "3",
+        "--heartbeat-timeout",
+        "5",
+        "--compilation-cache",
+        str(cache_dir) if cache else "none",
+        str(ROOT / "tests" / "cluster" / "fault_script.py"),
+        str(workdir),
+    ]
+    start = time.time()
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    stamped = []
+    assert process.stdout is not None
+    for line in process.stdout:  # Every line, with the time it arrived.
+        stamped.append((time.time(), line.rstrip("\n")))
+    code = process.wait(timeout=900)
+    restarted = [t for t, line in stamped if "restarting all" in line]
+    fault = (
+        float((workdir / "killed").read_text())
+        if (workdir / "killed").exists()
+        else None
+    )
+    resumed = None
+    if restarted:
+        resumed = next(
+            (
+                t
+                for t, line in stamped
+                if t > restarted[0] and re.match(r"\[0\] step \d+", line)
+            ),
+            None,
+        )
+    causes = [line for _, line in stamped if line.startswith("keras-dist-run:")]
+    return {
+        "code": code,
+        "restarts": len(restarted),
+        "causes": causes,
+        "seconds": round(time.time() - start, 1),
+        "fault_to_step": None
+        if fault is None or resumed is None
+        else round(resumed - fault, 2),
+        "tail": [line for _, line in stamped[-5:]],
+    }
+
+
+def _exact(workdir: pathlib.Path, n: int, reference) -> float | None:
+    """The largest difference of a final weight from the reference (None:
+    a process wrote none), if every process matches to the suite's tolerance."""
+    import numpy as np
+
+    from tests._helpers import assert_weights_close
+
+    worst = 0.0
+    for rank in range(n):
+        path = workdir / f"weights_{rank}.json"
+        if not path.exists():
+            return None
+        weights = json.loads(path.read_text())
+        assert_weights_close(reference, weights)
+        for a, b in zip(reference, weights, strict=True):
+            worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--trials", type=int, default=10, help="per fault kind and size"
+    )
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(HERE / "results"))
+    args = parser.parse_args()
+
+    import keras_dist as kd
+    from tests.cluster import _workload
+
+    with tempfile.TemporaryDirectory() as scratch:
+        reference = _workload.backup_run(kd.OneDeviceStrategy("cpu:0"), scratch)
+    draw = random.Random(args.seed)
+    rows = []
+    for n in args.processes:
+        for kind in KINDS:
+            for trial in range(args.trials):
+                rank = (
+                    0
+                    if kind == "kill-chief"
+                    else draw.randrange(1 if kind == "kill-worker" else 0, n)
+                )
+                step = draw.randint(2, STEPS - 2)
+                cache = trial % 2 == 0  # Every other trial without the cache.
+                workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
+                try:
+                    row = _trial(workdir, n, kind, rank, step, cache)
+                    try:
+                        row["max_weight_difference"] = _exact(workdir, n, reference)
+                        row["exact"] = row["max_weight_difference"] is not None
+                    except AssertionError as error:
+                        row["exact"], row["mismatch"] = False, str(error)[:300]
+                finally:
+                    shutil.rmtree(workdir, ignore_errors=True)
+                row.update(processes=n, kind=kind, rank=rank, step=step, cache=cache)
+                row["passed"] = (
+                    row["code"] == 0 and row["restarts"] == 1 and row["exact"]
+                )
+                print(
+                    f"{n} processes, {kind} of {rank} at step {step}, cache {cache}: "
+                    f"{'PASS' if row['passed'] else 'FAIL'} (exit {row['code']}, "
+                    f"{row['restarts']} restart(s), "
+                    f"fault to step {row['fault_to_step']} s)",
+                    flush=True,
+                )
+                rows.append(row)
+    payload = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, cpu x 1 a process",
+        "command": "python benchmarks/restarts.py " + " ".join(sys.argv[1:]),
+        "trials": rows,
+    }
+    _write(pathlib.Path(args.out), payload)
+
+
+def _median(values: list) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.1f}" if values else "n/a"
+
+
+def _write(folder: pathlib.Path, payload: dict) -> None:
+    rows = payload["trials"]
+    lines = [
+        "# Restarts under injected faults",
+        "",
+        f"{payload['date']}, {payload['machine']}: `{payload['command']}`",
+        "",
+        "| processes | fault | trials | finished exactly after 1 restart "
+        "| fault to first step, cache on (median s) | cache off (median s) |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for n in sorted({r["processes"] for r in rows}):
+        for kind in KINDS:
+            group = [r for r in rows if r["processes"] == n and r["kind"] == kind]
+            if not group:
+                continue
+            on = [r["fault_to_step"] for r in group if r["cache"]]
+            off = [r["fault_to_step"] for r in group if not r["cache"]]
+            passed = sum(r["passed"] for r in group)
+            lines.append(
+                f"| {n} | {kind} | {len(group)} | {passed} "
+                f"| {_median(on)} | {_median(off)} |"
+            )
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "restarts.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (folder / "restarts.md").write_text(text)
+    print(f"wrote {folder / 'restarts.json'} and .md")
+
+
+if __name__ == "__main__":
+    main()
