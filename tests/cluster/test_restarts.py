@@ -100,3 +100,33 @@ def test_the_same_exception_at_the_same_step_is_not_retried_again(tmp_path):
     assert last.endswith(
         "as before the restart: a restart does not fix it; exiting with status 1."
     )
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [((4, 1), (2, 1)), ((2, 2), (1, 2))],
+    ids=["4x1-to-2x1", "2x2-to-1x2"],
+)
+def test_a_restart_on_half_the_processes_continues_the_same_run(
+    tmp_path, reference, before, after
+):
+    # A host lost for good: the user restarts the same command on what is
+    # left. The backup (of step 9) is resharded onto the smaller cluster,
+    # which reads the same global batches from there.
+    env = {"KD_KILL_RANK": "1", "KD_KILL_AT": "11"}
+    first = launch(
+        HERE / "fault_script.py", tmp_path, n=before[0], devices=before[1], env=env
+    )
+    assert first.returncode == 137, first.stderr[-3000:]
+    second = launch(
+        HERE / "fault_script.py", tmp_path, n=after[0], devices=after[1], env=env
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    replicas = before[0] * before[1]
+    assert (
+        f"[0] BackupAndRestore: resuming at epoch 2, step 3 (backup of {replicas} "
+        "replicas)." in second.stdout
+    )
+    for r in range(after[0]):
+        weights = json.loads((tmp_path / f"weights_{r}.json").read_text())
+        assert_weights_close(reference, weights)
