@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_number(float, "seconds", 1),
         default=60.0,
         metavar="SECONDS",
-        help="a process whose keras_dist heartbeat (a thread, once a second) "
+        help="a process whose keras_dist heartbeat (a thread, 4 times a second) "
         "stops this long is frozen: it is killed, the others stopped "
         "(default 60; JAX's own check aborts a peer after about 100)",
     )

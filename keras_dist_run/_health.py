@@ -1,7 +1,7 @@
 """What the launcher reads of its processes' health: heartbeats and failures.
 
 Each process that joined the cluster rewrites `heartbeat_<rank>` in the
-launcher's state folder once a second (`keras_dist/cluster/_heartbeat.py`):
+launcher's state folder four times a second (`keras_dist/cluster/_heartbeat.py`):
 its training step, its progress (steps of `fit`, `evaluate`, `predict`) and
 whether such a call runs. A process that ends on an uncaught exception
 writes `failed_<rank>`. `Watch` turns them into the one line a user reads:
@@ -86,8 +86,8 @@ class Watch:
         return found
 
     def step(self, rank: int) -> int | None:
-        beat = self.beats().get(rank)
-        return None if beat is None else beat[1].get("step")
+        """Where process `rank` stood (None: it sent no heartbeat)."""
+        return _where(self.beats(), rank)
 
     def hung(self, running: list[int]) -> Failure | None:
         """The first running process found frozen or stuck, or None (read
@@ -99,15 +99,8 @@ class Watch:
         beats = self.beats()
         for rank in running:
             if rank in beats and beats[rank][0] > self.heartbeat_timeout:
-                age, payload = beats[rank]
-                # Its last heartbeat may be a second old: the others wait at
-                # the step it did not finish.
-                others = [
-                    beats[r][1].get("step") or 0
-                    for r in running
-                    if r != rank and r in beats
-                ]
-                step = max([payload.get("step") or 0, min(others, default=0)])
+                age = beats[rank][0]
+                step = _where(beats, rank)
                 return Failure(
                     rank,
                     f"process {rank} stopped answering{at_step(step)} "
@@ -129,12 +122,22 @@ class Watch:
         behind = min(progress)
         laggards = [r for r, p in zip(running, progress, strict=True) if p == behind]
         rank = laggards[0]
-        step = at_step(beats[rank][1].get("step"))
+        where = at_step(beats[rank][1].get("step"))
         if len(laggards) == len(running):
-            line = f"no process made progress for {stalled:.0f} s{step} (a hang)"
+            line = f"no process made progress for {stalled:.0f} s{where} (a hang)"
         else:
             line = (
-                f"process {rank} made no progress for {stalled:.0f} s{step}, "
+                f"process {rank} made no progress for {stalled:.0f} s{where}, "
                 "behind the others, which wait for it (a hang)"
             )
         return Failure(rank, line, HUNG)
+
+
+def _where(beats: dict, rank: int) -> int | None:
+    """Process `rank`'s step: its last heartbeat's, or the step the others
+    are at, if later (they wait in the step it did not finish; its own last
+    heartbeat may be a moment older than its end)."""
+    if rank not in beats:
+        return None
+    others = [beat[1].get("step") or 0 for r, beat in beats.items() if r != rank]
+    return max(beats[rank][1].get("step") or 0, min(others, default=0))

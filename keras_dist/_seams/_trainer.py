@@ -249,7 +249,7 @@ def _enumerate_iterator(self):
         for begin, end, iterator in original(self):
             if call is not None:
                 call.last_end_step = end
-            _heartbeat.beat(end - begin + 1, training=training)
+            _count(begin, end, training)
             yield begin, end, iterator
         return
     _check_replayable(self, plan)
@@ -268,8 +268,18 @@ def _enumerate_iterator(self):
             continue
         if call is not None:
             call.last_end_step = end
-        _heartbeat.beat(end - begin + 1, training=training)
+        _count(begin, end, training)
         yield begin, end, iterator
+
+
+_PROGRESS = _heartbeat.PROGRESS
+
+
+def _count(begin: int, end: int, training: bool) -> None:
+    """The launcher's heartbeat counts the steps (`cluster/_heartbeat.py`)."""
+    _PROGRESS.progress += end - begin + 1
+    if training:
+        _PROGRESS.step += end - begin + 1
 
 
 def _drop_step(iterator, count: int) -> None:

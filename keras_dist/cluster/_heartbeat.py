@@ -2,12 +2,12 @@
 
 With the launcher (`KERAS_DIST_RUN_STATE` names its folder), a process that
 joined the cluster starts a daemon thread that rewrites
-`heartbeat_<process>` once a second: `{"step": ..., "progress": ...,
+`heartbeat_<process>` four times a second: `{"step": ..., "progress": ...,
 "in_call": ...}`. `step` counts the training steps this process ran
 (`fit`, from the step its optimizer restored), `progress` every step of
 `fit`, `evaluate` and `predict`, `in_call` whether one of them is running.
-The training loop only bumps counters (`beat`, from Keras's epoch loop:
-`_seams/_trainer.py`); the thread writes. So the launcher tells a frozen
+The training loop only bumps counters (`PROGRESS`, from Keras's epoch
+loop: `_seams/_trainer.py`); the thread writes. So the launcher tells a frozen
 process (its file stops changing: SIGSTOP, a hung host), a cluster whose
 loop makes no progress (every file changes, `progress` does not), and where
 each stood. A process that ends on an uncaught exception writes
@@ -17,6 +17,7 @@ not something a restart fixes. Without the launcher: nothing.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -24,11 +25,22 @@ import time
 import traceback
 from types import TracebackType
 
-__all__ = ["beat", "in_call", "record_failure", "set_step", "start"]
+__all__ = ["PROGRESS", "in_call", "record_failure", "set_step", "start"]
 
-INTERVAL_SECONDS = 1.0
+INTERVAL_SECONDS = 0.25
 
-_STATE = {"step": 0, "progress": 0, "calls": 0}
+
+@dataclasses.dataclass
+class Progress:
+    """The counters the training loop bumps (attributes: no call on the
+    step's road): training steps, steps of any call, calls running."""
+
+    step: int = 0
+    progress: int = 0
+    calls: int = 0
+
+
+PROGRESS = Progress()
 _STARTED: dict = {}
 
 
@@ -65,32 +77,25 @@ def start(process_id: int | None) -> None:
 
 def _snapshot() -> dict:
     return {
-        "step": _STATE["step"],
-        "progress": _STATE["progress"],
-        "in_call": _STATE["calls"] > 0,
+        "step": PROGRESS.step,
+        "progress": PROGRESS.progress,
+        "in_call": PROGRESS.calls > 0,
     }
-
-
-def beat(steps: int, *, training: bool) -> None:
-    """`steps` steps of a `fit` (`training`) or of `evaluate`/`predict` ran."""
-    _STATE["progress"] += steps
-    if training:
-        _STATE["step"] += steps
 
 
 def set_step(step: int) -> None:
     """The training step this process is at (a `fit` restored from a backup)."""
-    _STATE["step"] = int(step)
+    PROGRESS.step = int(step)
 
 
 @contextlib.contextmanager
 def in_call():
     """A `fit`, `evaluate` or `predict` runs (its steps are progress)."""
-    _STATE["calls"] += 1
+    PROGRESS.calls += 1
     try:
         yield
     finally:
-        _STATE["calls"] -= 1
+        PROGRESS.calls -= 1
 
 
 def record_failure(
@@ -108,7 +113,7 @@ def record_failure(
             "type": kind.__name__,
             "message": str(value)[:500],
             "where": where,
-            "step": _STATE["step"],
+            "step": PROGRESS.step,
             "time": time.time(),
         },
     )

@@ -31,7 +31,8 @@ def test_a_killed_worker_stops_the_cluster_and_a_restart_resumes(tmp_path):
         r"stopping the other 1\.",
         first.stderr,
     )
-    assert stopped and int(stopped[1]) <= 11, first.stderr[-3000:]
+    # The step the survivor waits in (it may have begun step 12).
+    assert stopped and 9 <= int(stopped[1]) <= 12, first.stderr[-3000:]
     # Without --max-restarts the cause is also the launcher's last word.
     assert first.stderr.strip().splitlines()[-1] == (
         f"keras-dist-run: process 1 was killed by SIGKILL at step {stopped[1]}; "
