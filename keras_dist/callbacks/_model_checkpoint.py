@@ -310,7 +310,8 @@ class ModelCheckpoint(ModelCheckpointHooks):
             if path is not None and self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
             return
-        assert isinstance(self._saves, KerasFileSaves)  # Made by __init__.
+        if not isinstance(self._saves, KerasFileSaves):  # Made by __init__.
+            raise RuntimeError("ModelCheckpoint lost its file saves: make a new one.")
         chief = _is_chief()
         if chief and os.path.isdir(filepath):
             raise IsADirectoryError(
