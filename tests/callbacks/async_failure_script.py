@@ -15,11 +15,12 @@ import sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["KERAS_BACKEND"] = "jax"
 
-import keras
-import numpy as np
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
-import keras_dist as kd
-from keras_dist._checkpoint.pipeline import OrbaxSaves
+import keras_dist as kd  # noqa: E402
+from keras_dist._checkpoint.pipeline import OrbaxSaves  # noqa: E402
 
 backup_dir = sys.argv[1]
 strategy = kd.MirroredStrategy()

@@ -12,9 +12,10 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import keras
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras  # noqa: E402
 
-import keras_dist as kd
+import keras_dist as kd  # noqa: E402
 
 workdir = sys.argv[1]
 resolver = kd.cluster.resolve()

@@ -14,6 +14,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
+if os.environ.get("KD_INPUT", "numpy") == "numpy":
+    sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
 import keras_dist as kd
 
 strategy = kd.MultiWorkerMirroredStrategy(

@@ -4,7 +4,8 @@ import sys
 
 import jax
 
-import keras_dist as kd
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras_dist as kd  # noqa: E402
 
 port, count, process, timeout = sys.argv[1:5]
 resolver = kd.cluster.SimpleClusterResolver(

@@ -12,7 +12,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import keras_dist as kd
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras_dist as kd  # noqa: E402
 
 strategy = kd.MultiWorkerMirroredStrategy(
     communication_options=kd.CommunicationOptions(timeout_seconds=60)

@@ -7,11 +7,13 @@ SIGKILL it).
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
 
-import keras_dist as kd
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras_dist as kd  # noqa: E402
 
 resolver = kd.cluster.initialize(timeout=60)
 

@@ -19,7 +19,8 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import keras_dist as kd
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras_dist as kd  # noqa: E402
 
 OPTIONS = kd.CommunicationOptions(timeout_seconds=90)
 workdir, mode, name = sys.argv[1], sys.argv[2], sys.argv[3]

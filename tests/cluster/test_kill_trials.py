@@ -1,7 +1,8 @@
 """SIGKILL at random moments of a 2-process run that saves every step.
 
-A chain of 20 trials on one work directory: each launch of `kill_script.py`
-(2 processes x 4 CPU devices) resumes from the newest committed backup, runs
+A chain of `KILL_TRIALS` trials (8 in CI, 20 with `KD_KILL_TRIALS=20`) on
+one work directory: each launch of `kill_script.py` (2 processes x 4 CPU
+devices) resumes from the newest committed backup, runs
 until it has committed a newer one, and one of its processes (chosen at
 random) is SIGKILLed a random 0-0.3 s later, in the middle of the next saves,
 and the other one a random 0-0.3 s after it. After each kill the newest indexed
@@ -24,13 +25,12 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests._helpers import committed_backup_step, make_model
+from tests._helpers import KILL_TRIALS, committed_backup_step, make_model
 from tests.cluster.test_multi_worker import HERE, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.kill_trials]
 
 SCRIPT = HERE / "kill_script.py"
-TRIALS = 20
 
 
 def _start(workdir):
@@ -91,11 +91,10 @@ def _kill_one_trial(workdir, draw: random.Random) -> int:
     return committed_backup_step(backup)
 
 
-# ~22 launches of 2 processes: 490 s on 2 busy cores before the peer was
-# killed too (then it waited 10 s for the launcher's grace), more than the
-# default 600 s per test under CI's load.
+# 20 trials: ~22 launches of 2 processes, 250 s in CI's run, more than the
+# default 600 s per test on a slower machine.
 @pytest.mark.timeout(1800)
-def test_twenty_random_kills_then_the_run_ends_bit_identical(tmp_path):
+def test_random_kills_then_the_run_ends_bit_identical(tmp_path):
     (tmp_path / "reference").mkdir()
     # The reference saves nothing: the chain of kills and resumes must equal
     # a run that was never interrupted nor saved.
@@ -106,7 +105,7 @@ def test_twenty_random_kills_then_the_run_ends_bit_identical(tmp_path):
 
     workdir, draw, steps = tmp_path / "killed", random.Random(29), []
     workdir.mkdir()
-    for _ in range(TRIALS):
+    for _ in range(KILL_TRIALS):
         steps.append(_kill_one_trial(workdir, draw))
         latest = kd.callbacks.latest_checkpoint(workdir / "ckpts")
         assert latest is not None
