@@ -6,12 +6,14 @@ cluster with `--max-restarts 3 --heartbeat-timeout 5`, and injects one fault
 at a random global step (seeded): SIGKILL of a random worker, SIGKILL of the
 chief, or SIGSTOP of a random process. A trial passes when the launcher
 exits 0 after exactly one restart and every process's final weights equal
-an uninterrupted one-device run's (`assert_weights_close`: the suite's
-tolerance). It also times the restart: from the fault (the faulty process
+bit for bit those of an uninterrupted run on as many processes (launched
+first, no fault). It also times the restart: from the fault (the faulty process
 writes the time before it kills or stops itself) to the first training
 step after the resume (the chief's `step N` line), with JAX's compilation
 cache on (the launcher's default, emptied before each trial, filled by the
-trial's first run) and off (`--compilation-cache none`).
+trial's first run) and off (`--compilation-cache none`). And the goodput
+(`--goodput`) of the uninterrupted run and of one run whose worker is
+SIGKILLed at `--failures` random steps (3 restarts).
 
 Writes `--out/restarts.json` and `.md`.
 
@@ -43,16 +45,19 @@ KINDS = ("kill-worker", "kill-chief", "stop")
 STEPS = 21  # 3 epochs of 7 steps.
 
 
-def _trial(workdir: pathlib.Path, n: int, kind: str, rank: int, step: int, cache: bool):
+def _trial(
+    workdir: pathlib.Path, n: int, kind: str, rank: int, step: "int | str", cache: bool
+):
+    """One launch; `kind` "none": no fault; `step` "a,b,c": a SIGKILL at each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(
         TF_CPP_MIN_LOG_LEVEL="3",
-        KD_KILL_RANK=str(rank),
-        KD_KILL_AT=str(step),
         KD_FAULT="stop" if kind == "stop" else "kill",
         KD_STEP_SECONDS="0.1",  # A step long enough to be seen by a heartbeat.
     )
+    if kind != "none":
+        env.update(KD_KILL_RANK=str(rank), KD_KILL_AT=str(step))
     cache_dir = workdir / "jax-cache"
     command = [
         sys.executable,
@@ -68,6 +73,8 @@ def _trial(workdir: pathlib.Path, n: int, kind: str, rank: int, step: int, cache
         "5",
         "--compilation-cache",
         str(cache_dir) if cache else "none",
+        "--goodput",
+        str(workdir / "goodput.json"),
         str(ROOT / "tests" / "cluster" / "fault_script.py"),
         str(workdir),
     ]
@@ -106,26 +113,29 @@ def _trial(workdir: pathlib.Path, n: int, kind: str, rank: int, step: int, cache
         if fault is None or resumed is None
         else round(resumed - fault, 2),
         "tail": [line for _, line in stamped[-5:]],
+        "goodput": json.loads((workdir / "goodput.json").read_text())
+        if (workdir / "goodput.json").exists()
+        else None,
     }
 
 
-def _exact(workdir: pathlib.Path, n: int, reference) -> float | None:
-    """The largest difference of a final weight from the reference (None:
-    a process wrote none), if every process matches to the suite's tolerance."""
-    import numpy as np
-
-    from tests._helpers import assert_weights_close
-
-    worst = 0.0
+def _weights(workdir: pathlib.Path, n: int) -> list | None:
+    """Every process's final weights (None: one wrote none); they must agree."""
+    found = []
     for rank in range(n):
         path = workdir / f"weights_{rank}.json"
         if not path.exists():
             return None
-        weights = json.loads(path.read_text())
-        assert_weights_close(reference, weights)
-        for a, b in zip(reference, weights, strict=True):
-            worst = max(worst, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
-    return worst
+        found.append(json.loads(path.read_text()))
+    assert all(w == found[0] for w in found), "the processes' weights differ"
+    return found[0]
+
+
+def _exact(workdir: pathlib.Path, n: int, reference: list) -> bool | None:
+    """Bit for bit the uninterrupted run's weights at the same size (None: a
+    process wrote none)."""
+    weights = _weights(workdir, n)
+    return None if weights is None else weights == reference
 
 
 def main() -> None:
@@ -135,17 +145,24 @@ def main() -> None:
     )
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--failures", type=int, default=3, help="SIGKILLs in the goodput run"
+    )
     parser.add_argument("--out", default=str(HERE / "results"))
     args = parser.parse_args()
 
-    import keras_dist as kd
-    from tests.cluster import _workload
-
-    with tempfile.TemporaryDirectory() as scratch:
-        reference = _workload.backup_run(kd.OneDeviceStrategy("cpu:0"), scratch)
     draw = random.Random(args.seed)
-    rows = []
+    rows, goodput = [], {}
     for n in args.processes:
+        # The uninterrupted run at this size: the reference, bit for bit.
+        workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
+        try:
+            clean = _trial(workdir, n, "none", 0, 0, True)
+            reference = _weights(workdir, n)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        assert clean["code"] == 0 and reference is not None, clean["tail"]
+        goodput[f"{n} processes, no failure"] = clean["goodput"]
         for kind in KINDS:
             for trial in range(args.trials):
                 rank = (
@@ -159,15 +176,14 @@ def main() -> None:
                 try:
                     row = _trial(workdir, n, kind, rank, step, cache)
                     try:
-                        row["max_weight_difference"] = _exact(workdir, n, reference)
-                        row["exact"] = row["max_weight_difference"] is not None
+                        row["exact"] = _exact(workdir, n, reference)
                     except AssertionError as error:
                         row["exact"], row["mismatch"] = False, str(error)[:300]
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                 row.update(processes=n, kind=kind, rank=rank, step=step, cache=cache)
                 row["passed"] = (
-                    row["code"] == 0 and row["restarts"] == 1 and row["exact"]
+                    row["code"] == 0 and row["restarts"] == 1 and bool(row["exact"])
                 )
                 print(
                     f"{n} processes, {kind} of {rank} at step {step}, cache {cache}: "
@@ -177,11 +193,24 @@ def main() -> None:
                     flush=True,
                 )
                 rows.append(row)
+        if args.failures:  # One run, a worker killed at several steps.
+            steps = sorted(draw.sample(range(2, STEPS - 1), args.failures))
+            workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
+            try:
+                at = ",".join(map(str, steps))
+                row = _trial(workdir, n, "kill-worker", n - 1, at, True)
+                exact = _exact(workdir, n, reference)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            assert row["code"] == 0 and exact, row["tail"]
+            label = f"{n} processes, {args.failures} failures (steps {at})"
+            goodput[label] = row["goodput"]
     payload = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, cpu x 1 a process",
         "command": "python benchmarks/restarts.py " + " ".join(sys.argv[1:]),
         "trials": rows,
+        "goodput": goodput,
     }
     _write(pathlib.Path(args.out), payload)
 
@@ -214,6 +243,26 @@ def _write(folder: pathlib.Path, payload: dict) -> None:
                 f"| {n} | {kind} | {len(group)} | {passed} "
                 f"| {_median(on)} | {_median(off)} |"
             )
+    lines += [
+        "",
+        "Goodput (`keras-dist-run --goodput`): seconds of the wall time in each "
+        "bucket, cache on.",
+        "",
+        "| run | wall | goodput | productive | start-up | input | checkpoint "
+        "| evaluation | failures | other | steps lost |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, report in payload["goodput"].items():
+        b = report["seconds"]
+        lines.append(
+            f"| {label} | {report['wall_s']:.1f} | {100 * report['goodput']:.1f}% "
+            + "".join(
+                f"| {b[k]:.1f} "
+                for k in ("productive", "startup", "input", "checkpoint")
+            )
+            + f"| {b['evaluation']:.1f} | {b['failures']:.1f} | {b['other']:.1f} "
+            f"| {report['lost_steps']} |"
+        )
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     folder.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,14 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import IO
 
-from keras_dist_run._health import Failure, Watch, at_step, failure_record
+from keras_dist_run._goodput import Attempt, account, table
+from keras_dist_run._health import (
+    RESTART_EXIT_CODE,
+    Failure,
+    Watch,
+    at_step,
+    failure_record,
+)
 
 __all__ = ["main"]
 
@@ -241,6 +248,14 @@ def _parser() -> argparse.ArgumentParser:
         help="JAX's persistent compilation cache for the processes, so a "
         "restart does not compile again (default: $JAX_COMPILATION_CACHE_DIR "
         "if set, else ~/.cache/keras-dist-run/jax; 'none': off)",
+    )
+    parser.add_argument(
+        "--goodput",
+        default=None,
+        metavar="FILE",
+        help="write where the wall time went (productive steps, start-up, input, "
+        "checkpoints, evaluation, failures) to FILE as JSON and print it as a "
+        "table at the end (printed after a restart anyway)",
     )
     parser.add_argument(
         "--evaluator",
@@ -526,13 +541,15 @@ class _Cluster:
         return 1
 
     def _stop_after_failure(self, failed: list) -> Failure:
-        # A process killed by a signal is the cause, else the first to fail:
-        # peers that fail at the same time usually fail because it vanished.
+        # A process killed by a signal is the cause, else the first to fail
+        # of its own error, not one that lost a peer (it exits 75): peers
+        # that fail at the same time usually fail because one vanished.
         records = {rank: failure_record(self.state, rank) for rank, _ in failed}
 
         def first(failure: tuple) -> tuple:
             record = records[failure[0]] or {}
-            return (failure[1] > 0, record.get("time", float("inf")))
+            lost = failure[1] == RESTART_EXIT_CODE or record.get("lost_a_peer")
+            return (failure[1] > 0, bool(lost), record.get("time", float("inf")))
 
         rank, code = min(failed, key=first)
         before = "" if self._said("joined", rank) or self.n == 1 else " before joining"
@@ -542,12 +559,17 @@ class _Cluster:
             error = f"{record.get('type')}: {record.get('message')}"
             if record.get("where"):
                 error += f" ({record['where']})"
+            lost = record.get("lost_a_peer")
+            how = "lost a peer" if lost else "failed"
+            step = record.get("step")
+            # A lost peer is no bug of the program: never "the same error again".
+            same = None if lost else (record.get("type"), record.get("message"), step)
             return self._stop(
                 Failure(
                     rank,
-                    f"process {rank} failed{at_step(record.get('step'))} with {error}",
+                    f"process {rank} {how}{at_step(step)} with {error}",
                     status,
-                    (record.get("type"), record.get("message"), record.get("step")),
+                    same,
                 )
             )
         step = at_step(self.watch.step(rank))
@@ -614,28 +636,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)
     }
     previous: Failure | None = None
+    attempts: list[Attempt] = []
     try:
         for restart in range(args.max_restarts + 1):
             state = tempfile.mkdtemp(prefix="keras-dist-run-")
+            started = time.time()
             try:
                 cluster = _Cluster(args, state, args.port or free_port())
                 cluster.interrupted = interrupted.get("signal")
                 outcome = cluster.run()
+                chief = cluster.watch.beats().get(0, (0.0, None))[1]
+                failed = isinstance(outcome, Failure)
+                attempts.append(Attempt(started, time.time(), chief, failed))
             finally:
                 if cluster is not None:
                     for pump in cluster.pumps:
                         pump.join(timeout=5)
                 shutil.rmtree(state, ignore_errors=True)
             if not isinstance(outcome, Failure):
+                _goodput_report(args, attempts)
                 return outcome
             again = previous is not None and outcome.signature is not None
             if again and outcome.signature == previous.signature:  # type: ignore[union-attr]
+                _goodput_report(args, attempts)
                 _last_word(
                     f"{outcome.line}, as before the restart: a restart does not "
                     f"fix it; exiting with status {outcome.code}."
                 )
                 return outcome.code
             if restart == args.max_restarts or "signal" in interrupted:
+                _goodput_report(args, attempts)
                 left = " (no restarts left)" if args.max_restarts else ""
                 _last_word(f"{outcome.line}; exiting with status {outcome.code}{left}.")
                 return outcome.code
@@ -648,6 +678,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for s, handler in previous_handlers.items():
             signal.signal(s, handler)
+
+
+def _goodput_report(args: argparse.Namespace, attempts: list[Attempt]) -> None:
+    """Where the wall time went (`_goodput.py`): as JSON to `--goodput`, and
+    as a table when asked for or after a restart, if anything trained."""
+    result = account(attempts)
+    if args.goodput:
+        with open(args.goodput, "w") as f:
+            json.dump(result, f, indent=1)
+    if any(row["steps"] for row in result["attempts"]) and (
+        args.goodput or len(attempts) > 1
+    ):
+        print(table(result), file=sys.stderr, flush=True)
 
 
 def _last_word(line: str) -> None:

@@ -13,10 +13,35 @@ import json
 import os
 import time
 
-__all__ = ["HUNG", "Failure", "Watch", "at_step", "failure_record"]
+__all__ = [
+    "HUNG",
+    "RESTART_EXIT_CODE",
+    "Failure",
+    "Watch",
+    "at_step",
+    "failure_record",
+]
 
 # The launcher's exit status after a hang (as `timeout` exits).
 HUNG = 124
+RESTART_EXIT_CODE = 75
+"""The exit status of a keras_dist process that failed because it lost a peer.
+
+A process of a joined cluster whose collective or coordination call fails
+because another process is gone or silent exits with 75 (EX_TEMPFAIL of
+sysexits.h: try again); an uncaught error of its own exits with 1. A
+scheduler can restart the group on 75 (and on the signals' 137 and 143)
+and fail the job on 1; `keras-dist-run` blames the process that did not
+exit 75. Guide: "Failures and restarts".
+
+Example:
+
+```python
+import keras_dist as kd
+
+assert kd.cluster.RESTART_EXIT_CODE == 75
+```
+"""
 
 
 @dataclasses.dataclass(frozen=True)

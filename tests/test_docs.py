@@ -292,6 +292,7 @@ def test_failures_guide_flags_are_the_launchers_with_their_defaults():
         "--heartbeat-timeout",
         "--hang-timeout",
         "--compilation-cache",
+        "--goodput",
     }
     defaults = {
         a.option_strings[0]: a.default for a in _parser()._actions if a.option_strings

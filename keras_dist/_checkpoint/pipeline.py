@@ -16,7 +16,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -30,6 +32,7 @@ from keras_dist._checkpoint.orbax_store import (
     keep_policy,
     preserved,
 )
+from keras_dist.cluster import _heartbeat
 from keras_dist.errors import CheckpointWriteError
 
 __all__ = [
@@ -45,6 +48,29 @@ STATE_FILE = "checkpoint"
 
 
 # One writer ------------------------------------------------------------------
+
+
+_PROGRESS = _heartbeat.PROGRESS
+_blocking = [0]  # Saves' calls under way on the training thread.
+
+
+def _blocks(method: Callable) -> Callable:
+    """The training thread's time in `method` is a checkpoint block (the
+    launcher's goodput), counted once however the calls nest."""
+
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        if _blocking[0]:
+            return method(*args, **kwargs)
+        _blocking[0] += 1
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _blocking[0] -= 1
+            _PROGRESS.checkpoint_s += time.perf_counter() - started
+
+    return timed
 
 
 class Pending(Protocol):
@@ -108,6 +134,7 @@ class Writer:
         if self._pending is not None and self._pending.done():
             self.wait()
 
+    @_blocks
     def wait(self) -> None:
         """Waits for the write in flight; raises `CheckpointWriteError` if it failed."""
         pending, self._pending = self._pending, None
@@ -122,6 +149,7 @@ class Writer:
                 f"({type(error).__name__}: {str(error)[:1000]}). {self.intact}"
             ) from error
 
+    @_blocks
     def close(self) -> None:
         try:
             self.wait()
@@ -218,6 +246,7 @@ class KerasFileSaves(Writer):
         else:
             walk.release()
 
+    @_blocks
     def save(
         self, model, path: str, *, epoch: int, step: int, with_config: bool, chief: bool
     ) -> None:
@@ -289,6 +318,7 @@ class KerasFileSaves(Writer):
         }
         keras_files.atomic_write_json(os.path.join(self.directory, STATE_FILE), state)
 
+    @_blocks
     def close(self) -> None:
         """Finishes the save in flight (raises its error); idempotent."""
         try:
@@ -334,6 +364,7 @@ class OrbaxSaves(Writer):
         )
         self.what = what
 
+    @_blocks
     def save(
         self,
         model,
@@ -363,6 +394,7 @@ class OrbaxSaves(Writer):
             self.submit(label, lambda: self.store.save_async(step, payload))
         return path
 
+    @_blocks
     def close(self) -> None:
         try:
             super().close()

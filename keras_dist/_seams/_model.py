@@ -65,7 +65,7 @@ def _entry_point(method: Callable) -> Callable:
                 _call.enter(method.__name__, strategy, initial_epoch=initial_epoch)
             )
             state.check_batch, state.validates = check, validates
-            stack.enter_context(_heartbeat.in_call())  # Its steps are progress.
+            stack.enter_context(_heartbeat.in_call(method.__name__))  # Progress.
             if keras.distribution.distribution() is None:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]

@@ -3,6 +3,7 @@
 import atexit
 import math
 import os
+import re
 import sys
 from types import TracebackType
 from typing import Any
@@ -16,8 +17,9 @@ from keras_dist.cluster._environment import check_address, resolve, tell_launche
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterTimeoutError
+from keras_dist_run._health import RESTART_EXIT_CODE
 
-__all__ = ["backend_started", "initialize", "is_initialized"]
+__all__ = ["RESTART_EXIT_CODE", "backend_started", "initialize", "is_initialized"]
 
 _STATE: dict = {}
 
@@ -36,12 +38,17 @@ def is_initialized() -> bool:
 
 
 def _exit_fast_on_errors() -> None:
-    """An uncaught exception ends the process at once, with status 1.
+    """An uncaught exception ends the process at once: status 1, or
+    `RESTART_EXIT_CODE` (75) when it is the loss of a peer.
 
     After `jax.distributed.initialize`, a normal interpreter exit waits (up
     to 300 s) at a shutdown barrier for every peer; a process that failed
     must not wait for peers that will never get there. The launcher (or the
-    cluster scheduler) then sees the failure and stops the others.
+    cluster scheduler) then sees the failure and stops the others. A process
+    whose collective or coordination call failed because a peer vanished
+    (killed, its host gone) or stopped answering exits 75: nothing wrong
+    with its own program, the group must restart; a scheduler's rules can
+    retry 75 and fail the job on 1 (docs/guides/failures.md).
     """
     previous = sys.excepthook
 
@@ -51,13 +58,48 @@ def _exit_fast_on_errors() -> None:
         traceback: TracebackType | None,
     ) -> None:
         previous(kind, value, traceback)
-        _heartbeat.record_failure(kind, value, traceback)
+        lost = lost_a_peer(value)
+        _heartbeat.record_failure(kind, value, traceback, lost_a_peer=lost)
         _sync.mark_exit("failed")
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(1)
+        os._exit(RESTART_EXIT_CODE if lost else 1)
 
     sys.excepthook = hook
+
+
+# How XLA's runtime errors begin (a status code), and what JAX's collectives
+# (Gloo on CPU, NCCL on GPU) and its coordination service say when a peer is
+# gone or silent.
+_STATUS = re.compile(r"^(UNKNOWN|UNAVAILABLE|DEADLINE_EXCEEDED|INTERNAL|ABORTED): ")
+_PEER_LOST = (
+    "gloo",
+    "nccl",
+    "connection reset by peer",
+    "connection closed by peer",
+    "broken pipe",
+    "coordination service",
+    "heartbeat",
+    "barrier timed out",
+)
+
+
+def lost_a_peer(error: BaseException | None) -> bool:
+    """Whether `error` (or an error it came from) is a collective or a
+    coordination call that failed because another process is gone: a
+    `ClusterTimeoutError`, or an XLA runtime error (JAX raises it as a
+    `ValueError` or `JaxRuntimeError`) naming a failed collective or the
+    coordination service."""
+    for _ in range(10):
+        if error is None:
+            return False
+        if isinstance(error, ClusterTimeoutError):
+            return True
+        message = str(error)
+        if _STATUS.match(message) and any(s in message.lower() for s in _PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _check_timeout(timeout: Any) -> None:

@@ -26,6 +26,10 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from keras_dist.cluster import _heartbeat
+
+_PROGRESS = _heartbeat.PROGRESS
+
 __all__ = ["CallState", "InputStats", "ResumePlan", "StepStats", "active", "enter"]
 
 
@@ -70,6 +74,8 @@ class InputStats:
         """The step loop waited `seconds` for its next `batches` batches."""
         self.taken += batches
         self.waited += seconds
+        if not _PROGRESS.evaluating:  # Training's input waits (goodput).
+            _PROGRESS.input_s += seconds
 
     def reset(self) -> None:
         self.batches, self.seconds, self.first_seconds = 0, 0.0, 0.0

@@ -226,26 +226,35 @@ def custom_loop_run(strategy) -> dict:
 
 
 class _KillAt(keras.callbacks.Callback):
-    """A fault after global train step `step`: `how` is "kill" (SIGKILL),
-    "stop" (SIGSTOP: frozen, never answering), "hang" (sleeps in the loop,
-    its threads alive), each once (a marker file), or "raise" (a ValueError
-    every time: a bug a restart does not fix)."""
+    """A fault after train step `step` of the first run: `how` is "kill"
+    (SIGKILL), "stop" (SIGSTOP: frozen, never answering), "hang" (sleeps in
+    the loop, its threads alive), each once (a marker file), or "raise" (a
+    ValueError every time at that global step: a bug a restart does not
+    fix). Several steps: a SIGKILL at each of those global steps, once each
+    (failures over the restarts of one run)."""
 
-    def __init__(self, step: int, marker: str, how: str = "kill"):
+    def __init__(self, step: "int | tuple", marker: str, how: str = "kill"):
         super().__init__()
-        self.step, self.marker, self.seen, self.how = step, marker, 0, how
+        self.steps = (step,) if isinstance(step, int) else tuple(step)
+        self.marker, self.seen, self.how = marker, 0, how
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
         if self.how == "raise":  # At the same global step after a restart.
-            if int(np.asarray(self.model.optimizer.iterations.value)) == self.step:
-                raise ValueError(f"a bad batch at step {self.step}")
+            step = int(np.asarray(self.model.optimizer.iterations.value))
+            if step == self.steps[0]:
+                raise ValueError(f"a bad batch at step {step}")
             return
-        if self.seen != self.step or os.path.exists(self.marker):
+        if len(self.steps) == 1:
+            due, marker = self.seen == self.steps[0], self.marker
+        else:
+            step = int(np.asarray(self.model.optimizer.iterations.value))
+            due, marker = step in self.steps, f"{self.marker}_{step}"
+        if not due or os.path.exists(marker):
             return
         import signal
 
-        with open(self.marker, "w") as f:
+        with open(marker, "w") as f:
             f.write(str(time.time()))
         if self.how == "hang":
             time.sleep(600)
@@ -289,11 +298,11 @@ def _stepped_input(kind: str, x, y, sw) -> dict:
 def backup_run(
     strategy,
     backup_dir: str,
-    kill_at: int | None = None,
+    kill_at: "int | tuple | None" = None,
     kind: str = "numpy",
     how: str = "kill",
 ) -> list:
-    """3 epochs of 7 steps with backups every 3 steps; may kill itself once.
+    """3 epochs of 7 steps with backups every 3 steps; may kill itself (`_KillAt`).
 
     `kind` other than "numpy" reads a tf.data or generator input with
     `steps_per_epoch` (`_stepped_input`).

@@ -1,8 +1,9 @@
 """One process of a BackupAndRestore run that may lose a worker.
 
 Args: a work directory; env KD_KILL_RANK / KD_KILL_AT make that rank SIGKILL
-itself after that many train steps (only once: a marker file remembers it;
-KD_FAULT: "stop", "hang" or "raise" instead, `_workload._KillAt`);
+itself after that many train steps, once (a marker file remembers it; a
+comma list: at each of those global steps, over the restarts; KD_FAULT:
+"stop", "hang" or "raise" instead, `_workload._KillAt`);
 KD_INPUT picks the input (`_workload.backup_run`).
 Writes `weights_<rank>.json` when training ends.
 """
@@ -30,7 +31,8 @@ workdir = sys.argv[1]
 rank = jax.process_index()
 kill_at = None
 if os.environ.get("KD_KILL_RANK") == str(rank):
-    kill_at = int(os.environ["KD_KILL_AT"])
+    steps = tuple(int(s) for s in os.environ["KD_KILL_AT"].split(","))
+    kill_at = steps[0] if len(steps) == 1 else steps
 weights = _workload.backup_run(
     strategy,
     os.path.join(workdir, "backup"),

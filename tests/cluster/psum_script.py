@@ -2,7 +2,8 @@
 
 Env: KD_FAIL_RANK makes that rank raise an exception after joining;
 KD_HANG_RANK makes that rank ignore SIGTERM and sleep (the launcher must
-SIGKILL it).
+SIGKILL it); KD_LOOP_KILL_RANK makes every rank sum again and again, and
+that rank SIGKILL itself after 3 sums (the others lose a peer).
 """
 
 import os
@@ -41,3 +42,12 @@ if os.environ.get("KD_HANG_RANK") == str(rank):
     time.sleep(600)
 if os.environ.get("KD_FAIL_RANK") or os.environ.get("KD_HANG_RANK"):
     time.sleep(600)  # The healthy ranks wait; the launcher must stop them.
+if os.environ.get("KD_LOOP_KILL_RANK"):
+    total_of = jax.jit(
+        lambda a: a.sum(), out_shardings=NamedSharding(mesh, PartitionSpec())
+    )
+    for i in range(600):
+        float(total_of(x))
+        if i == 3 and os.environ["KD_LOOP_KILL_RANK"] == str(rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.1)

@@ -147,3 +147,49 @@ def test_processes_that_disagree_fail_fast_with_a_clear_error(kind, message):
     assert f"ProcessMismatchError: {message}" in result.stderr
     assert "no error" not in result.stdout
     assert time.monotonic() - start < 90
+
+
+def test_a_process_that_loses_a_peer_exits_with_the_restart_code(tmp_path):
+    """As a scheduler starts them (TF_CONFIG, no launcher; one device a
+    process): process 1 is SIGKILLed between two sums; process 0's next sum
+    fails and it exits with `kd.cluster.RESTART_EXIT_CODE` (75: restart the
+    group), not 1 (its own error: `test_launch.py`), within seconds."""
+    from keras_dist.launch import free_port
+
+    workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    processes = []
+    for index in (0, 1):
+        environ = {
+            k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))
+        }
+        environ.update(
+            TF_CPP_MIN_LOG_LEVEL="3",
+            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+            KD_LOOP_KILL_RANK="1",
+            TF_CONFIG=json.dumps(
+                {
+                    "cluster": {"worker": workers},
+                    "task": {"type": "worker", "index": index},
+                }
+            ),
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(HERE / "psum_script.py")],
+                env=environ,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=180) for p in processes]
+    finally:
+        for process in processes:  # Bounded: none outlives the test.
+            if process.poll() is None:
+                process.kill()
+    assert processes[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
+    assert processes[0].returncode == kd.cluster.RESTART_EXIT_CODE == 75, outputs[0][1][
+        -3000:
+    ]
+    assert "Gloo all-reduce failed" in outputs[0][1]  # The error, shown as raised.

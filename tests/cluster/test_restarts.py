@@ -56,10 +56,29 @@ def _assert_restarted_and_exact(result, tmp_path, reference, cause: str) -> None
 def test_a_killed_process_is_restarted_and_the_run_finishes_exactly(
     tmp_path, reference, rank
 ):
-    result = _faulty_run(tmp_path, rank, "kill", "--max-restarts", "2")
-    # The step is the killed process's last heartbeat (once a second).
+    goodput = tmp_path / "goodput.json"
+    result = _faulty_run(
+        tmp_path, rank, "kill", "--max-restarts", "2", "--goodput", str(goodput)
+    )
+    # The step is the killed process's last heartbeat (four times a second).
     cause = rf"process {rank} was killed by SIGKILL at step \d+"
     _assert_restarted_and_exact(result, tmp_path, reference, cause)
+    # Where the time went: every second in one bucket; the steps after the
+    # backup of step 10 (epoch 2, step 3), up to the kill at 11, are redone
+    # (the chief's last heartbeat may be a quarter second older).
+    report = json.loads(goodput.read_text())
+    seconds = report["seconds"]
+    assert sum(seconds.values()) == pytest.approx(report["wall_s"], abs=0.01)
+    assert report["restarts"] == 1 and report["lost_steps"] <= 2
+    assert [row["failed"] for row in report["attempts"]] == [True, False]
+    assert report["attempts"][1]["steps"] == 11  # Steps 11-21 after the resume.
+    assert seconds["productive"] > 0 and seconds["startup"] > 0
+    assert seconds["failures"] > 0 and seconds["checkpoint"] > 0
+    assert report["goodput"] == pytest.approx(
+        seconds["productive"] / report["wall_s"], abs=1e-3
+    )
+    # The table ends the run's output (after a restart it is printed anyway).
+    assert "keras-dist-run: goodput " in result.stderr.splitlines()[-10]
 
 
 def test_a_stopped_process_is_named_not_the_healthy_one(tmp_path, reference):
