@@ -14,7 +14,7 @@ import pytest
 import keras_dist as kd
 from tests._helpers import assert_weights_close
 from tests.cluster import _workload
-from tests.cluster.test_multi_worker import HERE, launch
+from tests.cluster.test_multi_worker import HERE, by_hand, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
@@ -154,42 +154,9 @@ def test_a_process_that_loses_a_peer_exits_with_the_restart_code(tmp_path):
     process): process 1 is SIGKILLed between two sums; process 0's next sum
     fails and it exits with `kd.cluster.RESTART_EXIT_CODE` (75: restart the
     group), not 1 (its own error: `test_launch.py`), within seconds."""
-    from keras_dist.launch import free_port
-
-    workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    processes = []
-    for index in (0, 1):
-        environ = {
-            k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))
-        }
-        environ.update(
-            TF_CPP_MIN_LOG_LEVEL="3",
-            XLA_FLAGS="--xla_force_host_platform_device_count=1",
-            KD_LOOP_KILL_RANK="1",
-            TF_CONFIG=json.dumps(
-                {
-                    "cluster": {"worker": workers},
-                    "task": {"type": "worker", "index": index},
-                }
-            ),
-        )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(HERE / "psum_script.py")],
-                env=environ,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=180) for p in processes]
-    finally:
-        for process in processes:  # Bounded: none outlives the test.
-            if process.poll() is None:
-                process.kill()
-    assert processes[1].returncode == -signal.SIGKILL, outputs[1][1][-2000:]
-    assert processes[0].returncode == kd.cluster.RESTART_EXIT_CODE == 75, outputs[0][1][
-        -3000:
-    ]
-    assert "Gloo all-reduce failed" in outputs[0][1]  # The error, shown as raised.
+    (chief, _, said), (peer, _, peers) = by_hand(
+        HERE / "psum_script.py", env={"KD_LOOP_KILL_RANK": "1"}, timeout=180
+    )
+    assert peer == -signal.SIGKILL, peers[-2000:]
+    assert chief == kd.cluster.RESTART_EXIT_CODE == 75, said[-3000:]
+    assert "Gloo all-reduce failed" in said  # The error, shown as raised.

@@ -1,6 +1,5 @@
 """keras-dist-run and initialize with real local processes (gloo on CPU)."""
 
-import json
 import os
 import pathlib
 import re
@@ -14,6 +13,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.launch import free_port
+from tests.cluster.test_multi_worker import by_hand
 
 SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -92,40 +92,9 @@ def test_the_launcher_runs_any_command(command):
 def test_processes_started_by_hand_with_tf_config_form_one_cluster():
     """As on real hosts: 2 processes, one CPU device each, each with its
     TF_CONFIG (no launcher), join and sum over both devices."""
-    workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    processes = []
-    for index in (0, 1):
-        environ = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
-        }
-        environ.update(
-            TF_CPP_MIN_LOG_LEVEL="3",
-            XLA_FLAGS="--xla_force_host_platform_device_count=1",
-            TF_CONFIG=json.dumps(
-                {
-                    "cluster": {"worker": workers},
-                    "task": {"type": "worker", "index": index},
-                }
-            ),
-        )
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT)],
-                env=environ,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        outputs = [p.communicate(timeout=120) for p in processes]
-    finally:
-        for p in processes:
-            p.kill()
-    for index, (p, (out, err)) in enumerate(zip(processes, outputs, strict=True)):
-        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    results = by_hand(SCRIPT)
+    for index, (code, out, err) in enumerate(results):
+        assert code == 0, out[-2000:] + err[-3000:]
         # (Without the launcher, Gloo's connection lines come first.)
         assert out.strip().splitlines()[-1] == (
             f"rank {index} of 2: 2 devices, sum 3, chief {index == 0}, source TF_CONFIG"
