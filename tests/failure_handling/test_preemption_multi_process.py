@@ -56,10 +56,22 @@ def test_sigterm_to_one_process_saves_both_at_one_run_and_resumes(tmp_path):
     assert 4 <= run < _loop.STEPS
     assert not (tmp_path / "weights_0.json").exists()
 
-    again = launch(HERE / "preemption_script.py", tmp_path, devices=2, timeout=120)
+    goodput = tmp_path / "goodput.json"
+    again = launch(
+        HERE / "preemption_script.py", tmp_path, devices=2, timeout=120,
+        flags=("--goodput", str(goodput)),
+    )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"[0] rank 0 starts at run {run}" in again.stdout
     assert f"[1] rank 1 starts at run {run}" in again.stdout
+    # A custom loop's goodput: its `handler.run` calls are the steps, from
+    # the restored run on.
+    report = json.loads(goodput.read_text())
+    assert report["attempts"] == [
+        {"failed": False, "steps": _loop.STEPS - run, "lost_steps": 0}
+    ]
+    assert report["seconds"]["productive"] > 0
+    assert "keras-dist-run: goodput " in again.stderr
     expected = _loop.train(mirrored(4))
     for rank in (0, 1):
         weights = json.loads((tmp_path / f"weights_{rank}.json").read_text())
