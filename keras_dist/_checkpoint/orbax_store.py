@@ -100,10 +100,13 @@ class OrbaxStore:
     """Numbered Orbax checkpoints of a model in `directory`.
 
     `keep`: Orbax's preservation policy (`keep_policy`). `owner` names the
-    store's barriers.
+    store's barriers. `process_local`: this process alone writes and reads
+    `directory` (the local tier's, `local_tier.py`).
     """
 
-    def __init__(self, directory: str, *, owner: str, keep: Any):
+    def __init__(
+        self, directory: str, *, owner: str, keep: Any, process_local: bool = False
+    ):
         ocp = _ocp()
         # Two stores saving at once in several processes (a backup and a
         # sharded checkpoint at the same step) each run Orbax's barriers from
@@ -112,6 +115,12 @@ class OrbaxStore:
         context.multiprocessing.barrier_sync_key_prefix = (
             f"{owner}_{zlib.crc32(directory.encode())}_"
         )
+        if process_local:  # Orbax's options for storage only this host sees:
+            # every process primary (writes its metadata, commits, deletes),
+            # the barriers the others' (every process saves the same steps).
+            context.multiprocessing.primary_host = None
+            context.multiprocessing.barrier_sync_key_prefix = f"{owner}_"
+        self.context = context
         # The record of paths (and a backup's meta) and Keras's model config
         # are JSON: Orbax's JSON handler writes each as one file, where its
         # array handler would run an OCDBT merge with no arrays to merge (and
@@ -122,7 +131,7 @@ class OrbaxStore:
         context.checkpointables.registry = registry
         saving = context.array.saving
         saving.use_compression = False
-        saving.use_replica_parallel = jax.process_count() > 1
+        saving.use_replica_parallel = jax.process_count() > 1 and not process_local
         self.directory = directory
         self._checkpointer = ocp.training.Checkpointer(
             directory,
@@ -198,6 +207,15 @@ class OrbaxStore:
 
     def close(self) -> None:
         self._checkpointer.close()
+
+    def load(self, step: int, abstract: dict | None = None) -> dict:
+        """Orbax's load of `abstract`'s checkpointables of `step` (None:
+        all, as saved)."""
+        return self._checkpointer.load_checkpointables(step, abstract)
+
+    def reload(self) -> None:
+        """Reads the directory's steps again (after a deletion of its own)."""
+        self._checkpointer.reload()
 
     def restore(self, model) -> dict | None:
         """Loads the newest readable backup into `model`; returns its meta

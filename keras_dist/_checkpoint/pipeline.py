@@ -10,6 +10,8 @@ thread), then the engine's commit, kept by Orbax's keep policy:
   (`keras_files.py`), then the `checkpoint` index.
 - `OrbaxSaves`: `BackupAndRestore`, `ModelCheckpoint(sharded=True)`,
   `PreemptionCheckpointHandler` (`orbax_store.py`).
+- `LocalSaves`: `BackupAndRestore`'s local tier, each process's own parts
+  (`local_tier.py`).
 """
 
 import concurrent.futures
@@ -18,6 +20,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -25,7 +28,7 @@ from typing import Any, Protocol
 
 import jax
 
-from keras_dist._checkpoint import keras_files
+from keras_dist._checkpoint import keras_files, local_tier
 from keras_dist._checkpoint.orbax_store import (
     GROUPS,
     OrbaxStore,
@@ -38,6 +41,7 @@ from keras_dist.errors import CheckpointWriteError
 __all__ = [
     "STATE_FILE",
     "KerasFileSaves",
+    "LocalSaves",
     "OrbaxSaves",
     "Writer",
     "check_writable_dir",
@@ -393,6 +397,60 @@ class OrbaxSaves(Writer):
         else:  # Orbax's save runs collectives: on the training thread.
             self.submit(label, lambda: self.store.save_async(step, payload))
         return path
+
+    @_blocks
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.store.close()
+
+
+class LocalSaves(Writer):
+    """`BackupAndRestore`'s local tier: this process's parts of the state in
+    `directory/process_<p>`, the newest 2 kept; Orbax's asynchronous save
+    (it copies the state to the host on the training thread, then writes;
+    `local_tier.py`)."""
+
+    def __init__(self, directory: str, *, owner: str):
+        self.directory = os.path.join(directory, f"process_{jax.process_index()}")
+        super().__init__(
+            owner, f"The previous local backup in {self.directory} is intact."
+        )
+        local_tier.quiet()
+        self.store = local_tier.Store(self.directory, owner=owner)
+
+    @_blocks
+    def save(self, model, step: int, *, meta: dict) -> str | None:
+        """Saves this process's parts as `step` (None: saved already)."""
+        self.wait()
+        if step in self.store.steps():
+            return None
+        values = [v.value for v in local_tier.variables(model)]
+        described = local_tier.record(model, local_tier.parts(values), meta)
+        path = os.path.join(self.directory, str(step))
+        tree = {str(i): a for i, a in enumerate(values)}
+        self.submit(
+            f"the local backup of step {step} to {path}",
+            lambda: self.store.save_async(step, tree, described),
+        )
+        return path
+
+    def restore(self, model, persistent_newest: int | None) -> dict | None:
+        """Loads the newest local backup at least as new as the persistent
+        tier's (every process together); returns its meta (with `local_step`
+        and `source`), or None: restore the persistent tier's. Local steps
+        newer than the one restored are deleted (their numbers come again)."""
+        choice = local_tier.choose(model, self.store, persistent_newest)
+        if choice is not None:
+            meta = local_tier.load(model, self.store, choice)
+            meta.update(local_step=choice.step, source=choice.source)
+        stale = [s for s in self.store.steps() if choice is None or s > choice.step]
+        for step in stale:  # Here alone (Orbax's deletion has a barrier).
+            shutil.rmtree(os.path.join(self.directory, str(step)), ignore_errors=True)
+        if stale:
+            self.store.reload()
+        return meta if choice is not None else None
 
     @_blocks
     def close(self) -> None:

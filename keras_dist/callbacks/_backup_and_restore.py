@@ -6,7 +6,7 @@ import shutil
 import jax
 import keras
 
-from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
+from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves, check_writable_dir
 from keras_dist._checks import check_int
 from keras_dist._private_api import _access
 from keras_dist._private_api._access import step_counter
@@ -74,6 +74,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             and exit. Defaults to `True`.
         async_save: write backups on a background thread. Defaults to
             `True`; `False` waits for each backup to be on disk.
+        local_dir: a directory on storage each host has to itself
+            (`/dev/shm/...` or a local disk; the same path on every host):
+            the local tier. Every `local_save_freq` steps each process
+            writes its own parts of the state to `local_dir/process_<p>` (the
+            newest 2 kept), on a background thread; a restarted `fit`
+            resumes from the newest step complete on every process, or, where
+            a process lost its local tier (a replaced host), from a process
+            that holds the whole state (replicated: Mirrored), or else from
+            `backup_dir` (state split over processes). Defaults to None (no
+            local tier).
+        local_save_freq: steps between the local tier's saves (an int; with
+            `local_dir`). Defaults to 10.
 
     Raises:
         ValueError: for an empty `backup_dir` or a bad `save_freq`.
@@ -88,6 +100,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: bool = True,
         save_before_preemption: bool = True,
         async_save: bool = True,
+        local_dir: "str | os.PathLike | None" = None,
+        local_save_freq: int = 10,
     ):
         super().__init__()
         if not isinstance(async_save, bool):
@@ -108,6 +122,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             os.fspath(backup_dir), argument="backup_dir"
         )
         self.save_freq = save_freq
+        self.local_save_freq = check_int(
+            local_save_freq, name="local_save_freq", meaning=" (steps)"
+        )
+        self.local_dir = None
+        if local_dir is not None:
+            self.local_dir = check_writable_dir(
+                os.fspath(local_dir), argument="local_dir"
+            )
+            if self.local_dir == self.backup_dir:
+                raise ValueError(
+                    "`local_dir` must be another directory than `backup_dir` (storage "
+                    f"each host has to itself). Received: local_dir={local_dir!r}."
+                )
+        self._local: LocalSaves | None = None
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
@@ -128,6 +156,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         strategy = strategy_of_model(self.model)
         self._replicas = strategy.num_replicas_in_sync if strategy else 1
+        if self.local_dir is not None:
+            self._local = LocalSaves(self.local_dir, owner="BackupAndRestore")
         self._restore(call)
         store.store.prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
@@ -135,11 +165,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.
-        self._step_end.start(
-            self.params.get("steps"),
-            max([self._global_step, *store.store.steps()]),
-            call,
-        )
+        self._saved_number = max([self._global_step, *store.store.steps()])
+        self._step_end.start(self.params.get("steps"), self._saved_number, call)
         if self.save_before_preemption:
             self._preemption.install()
         if call is not None:  # Keras skips on_train_end when fit raises.
@@ -175,6 +202,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             and self._steps_since_save() >= self.save_freq
         ):
             self._save(self._epoch, self._step_in_epoch, finished)
+        if self._local is not None:
+            self._local.check()
+            if (
+                self._step_end.step(finished) - self._saved_number
+                >= self.local_save_freq
+            ):
+                self._save(self._epoch, self._step_in_epoch, finished, local=True)
 
     def _exit_preempted(self) -> None:
         self._open_store().wait()  # On disk before the process exits.
@@ -218,14 +252,24 @@ class BackupAndRestore(keras.callbacks.Callback):
             and os.path.isdir(self.backup_dir)
         ):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+        if self.delete_checkpoint and self.local_dir is not None:  # Every host.
+            shutil.rmtree(
+                os.path.join(self.local_dir, f"process_{jax.process_index()}"),
+                ignore_errors=True,
+            )
 
     def _release(self) -> None:
         """Undoes what `on_train_begin` set up (also when `fit` raises)."""
         _access.set_initial_epoch(self.model, None)
         self._preemption.uninstall()
         store, self._store = self._store, None
-        if store is not None:
-            store.close()  # Finishes a save in flight; raises if it failed.
+        local, self._local = self._local, None
+        try:
+            if local is not None:
+                local.close()
+        finally:
+            if store is not None:
+                store.close()  # Finishes a save in flight; raises if it failed.
 
     def _open_store(self) -> OrbaxSaves:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
@@ -236,30 +280,41 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         return self._store
 
-    def _save(self, epoch: int, step: int, through: int | None) -> None:
-        """Backs up the state after step index `through` of this epoch."""
+    def _save(
+        self, epoch: int, step: int, through: int | None, *, local: bool = False
+    ) -> None:
+        """Backs up the state after step index `through` of this epoch (to
+        the local tier with `local`)."""
         self.model.jax_state_sync()  # The state a running `fit` holds.
+        # Counted on the host (`StepEnd.step`): the optimizer's step count,
+        # unless a loss-scaling optimizer skipped steps (then higher), and
+        # always above the backups in the directory.
+        self._saved_number = self._step_end.step(through)
+        epoch, position = self._position(epoch, step)
+        meta = {
+            "epoch": int(epoch),
+            "step": int(position),
+            "fit_initial_epoch": int(self._fit_initial_epoch),
+            "num_replicas": self._replicas,
+        }
+        if local:
+            self._local.save(self.model, self._saved_number, meta=meta)  # type: ignore[union-attr]
+            return
         self._saved_step = step
-        epoch, step = self._position(epoch, step)
-        self._open_store().save(
-            self.model,
-            # Counted on the host (`StepEnd.step`): the optimizer's step
-            # count, unless a loss-scaling optimizer skipped steps (then
-            # higher), and always above the backups in the directory.
-            self._step_end.step(through),
-            meta={
-                "epoch": int(epoch),
-                "step": int(step),
-                "fit_initial_epoch": int(self._fit_initial_epoch),
-                "num_replicas": self._replicas,
-            },
-        )
+        if self._local is not None:
+            self._local.wait()  # One Orbax save at a time.
+        self._open_store().save(self.model, self._saved_number, meta=meta)
 
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step
 
     def _restore(self, call: _call.CallState | None) -> None:
-        meta = self._open_store().store.restore(self.model)
+        store, meta = self._open_store().store, None
+        if self._local is not None:  # Its newest, if not older than the store's.
+            steps = store.steps()
+            meta = self._local.restore(self.model, max(steps) if steps else None)
+        if meta is None:
+            meta = store.restore(self.model)
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]
@@ -271,9 +326,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         if call is not None and (epochs or step):
             call.resume = _call.ResumePlan(epochs=epochs, steps=step)
         if jax.process_index() == 0:
+            where = ""
+            if "local_step" in meta:
+                source = meta["source"]
+                where = f"the local tier's step {meta['local_step']}" + (
+                    ", every process its own; "
+                    if source is None
+                    else f", from process {source}'s; "
+                )
             print(
                 f"BackupAndRestore: resuming at epoch {epoch + 1}, step {step} "
-                f"(backup of {meta['num_replicas']} replicas).",
+                f"({where}backup of {meta['num_replicas']} replicas).",
                 flush=True,
             )
 

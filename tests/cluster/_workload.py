@@ -225,6 +225,23 @@ def custom_loop_run(strategy) -> dict:
     return {"losses": losses, "correct": correct, "weights": _listed(state[0])}
 
 
+def _settled(local: str, timeout: float = 60.0) -> None:
+    """Waits until every process's local tier holds the same newest step
+    and no write in flight (its temporary directories gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        newest = set()
+        busy = False
+        for entry in sorted(os.listdir(local)):
+            names = os.listdir(os.path.join(local, entry))
+            busy |= any("tmp" in n for n in names)
+            newest.add(max((int(n) for n in names if n.isdigit()), default=-1))
+        if not busy and len(newest) == 1:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the local tier in {local} did not settle in {timeout} s")
+
+
 class _KillAt(keras.callbacks.Callback):
     """A fault after train step `step` of the first run: `how` is "kill"
     (SIGKILL), "stop" (SIGSTOP: frozen, never answering), "hang" (sleeps in
@@ -233,10 +250,21 @@ class _KillAt(keras.callbacks.Callback):
     fix). Several steps: a SIGKILL at each of those global steps, once each
     (failures over the restarts of one run)."""
 
-    def __init__(self, step: "int | tuple", marker: str, how: str = "kill"):
+    def __init__(
+        self,
+        step: "int | tuple",
+        marker: str,
+        how: str = "kill",
+        local: str = "",
+        wipe: bool = False,
+    ):
         super().__init__()
         self.steps = (step,) if isinstance(step, int) else tuple(step)
         self.marker, self.seen, self.how = marker, 0, how
+        self.local = local
+        self.wipe = (
+            os.path.join(local, f"process_{jax.process_index()}") if wipe else ""
+        )
 
     def on_train_batch_end(self, batch, logs=None):
         self.seen += 1
@@ -256,6 +284,12 @@ class _KillAt(keras.callbacks.Callback):
 
         with open(marker, "w") as f:
             f.write(str(time.time()))
+        if self.local:  # The local saves made before the fault, on disk.
+            _settled(self.local)
+        if self.wipe:  # A replaced host: its local tier is gone too.
+            import shutil
+
+            shutil.rmtree(self.wipe)
         if self.how == "hang":
             time.sleep(600)
         os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)
@@ -301,20 +335,31 @@ def backup_run(
     kill_at: "int | tuple | None" = None,
     kind: str = "numpy",
     how: str = "kill",
+    local: "tuple | None" = None,
 ) -> list:
     """3 epochs of 7 steps with backups every 3 steps; may kill itself (`_KillAt`).
 
     `kind` other than "numpy" reads a tf.data or generator input with
-    `steps_per_epoch` (`_stepped_input`).
+    `steps_per_epoch` (`_stepped_input`). `local`: `(local_save_freq,
+    wipe)`: backups at each epoch's end, a local tier in `backup_dir/../local`
+    every `local_save_freq` steps (with `wipe`, the killed process deletes its
+    own first).
     """
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
     # Synchronous: a process killed right after a save expects it on disk.
-    backup = kd.callbacks.BackupAndRestore(backup_dir, save_freq=3, async_save=False)
+    options: dict = {"save_freq": 3}
+    if local is not None:
+        local_dir = os.path.join(backup_dir, "..", "local")
+        options = {"save_freq": "epoch", "local_dir": local_dir}
+        options["local_save_freq"] = local[0]
+    backup = kd.callbacks.BackupAndRestore(backup_dir, async_save=False, **options)
     callbacks = [backup, _PrintSteps()]
     if kill_at is not None:
         marker = os.path.join(backup_dir, "..", "killed")
-        callbacks.append(_KillAt(kill_at, marker, how))
+        where = local_dir if local is not None else ""
+        wipe = local is not None and local[1]
+        callbacks.append(_KillAt(kill_at, marker, how, where, wipe))
     if kind == "numpy":
         inputs = {"x": x, "y": y, "sample_weight": sw, "batch_size": BATCH}
     else:

@@ -4,7 +4,8 @@ Args: a work directory; env KD_KILL_RANK / KD_KILL_AT make that rank SIGKILL
 itself after that many train steps, once (a marker file remembers it; a
 comma list: at each of those global steps, over the restarts; KD_FAULT:
 "stop", "hang" or "raise" instead, `_workload._KillAt`);
-KD_INPUT picks the input (`_workload.backup_run`).
+KD_INPUT picks the input, KD_LOCAL a local tier, KD_SHARD=1 FSDP
+(`_workload.backup_run`).
 Writes `weights_<rank>.json` when training ends.
 """
 
@@ -20,7 +21,8 @@ if os.environ.get("KD_INPUT", "numpy") == "numpy":
 import keras_dist as kd
 
 strategy = kd.MultiWorkerMirroredStrategy(
-    communication_options=kd.CommunicationOptions(timeout_seconds=60)
+    communication_options=kd.CommunicationOptions(timeout_seconds=60),
+    shard_variables=os.environ.get("KD_SHARD") == "1",  # FSDP
 )
 
 import jax  # noqa: E402
@@ -39,6 +41,10 @@ weights = _workload.backup_run(
     kill_at,
     os.environ.get("KD_INPUT", "numpy"),
     os.environ.get("KD_FAULT", "kill"),
+    # KD_LOCAL="K" or "K,wipe": a local tier every K steps (`backup_run`).
+    None
+    if "KD_LOCAL" not in os.environ
+    else (int(os.environ["KD_LOCAL"].split(",")[0]), "wipe" in os.environ["KD_LOCAL"]),
 )
 with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
     json.dump(weights, f)
