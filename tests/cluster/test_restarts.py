@@ -149,3 +149,50 @@ def test_a_restart_on_half_the_processes_continues_the_same_run(
     for r in range(after[0]):
         weights = json.loads((tmp_path / f"weights_{r}.json").read_text())
         assert_weights_close(reference, weights)
+
+
+# The local tier (`BackupAndRestore(local_dir=..., local_save_freq=2)`,
+# backups at each epoch's end): process 1 SIGKILLed at the end of step 12,
+# once the local save of step 11 is on every process's storage. `wipe`: it
+# deletes its own local tier first (a replaced host).
+LOCAL_CASES = {
+    # Every process restores its own parts of step 11: 1 step redone.
+    "mirrored": ("2", "0", "the local tier's step 11, every process its own; "),
+    # Its parts are gone; the state is replicated: process 0's, broadcast.
+    "mirrored-wiped": ("2,wipe", "0", "the local tier's step 11, from process 0's; "),
+    # FSDP: the variables are split over the processes and process 1's
+    # parts are gone: the persistent tier's backup of epoch 1's end.
+    "fsdp-wiped": ("2,wipe", "1", ""),
+}
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES)
+def test_a_restart_resumes_from_the_local_tier(tmp_path, reference, case):
+    local, shard, where = LOCAL_CASES[case]
+    goodput = tmp_path / "goodput.json"
+    env = {"KD_KILL_RANK": "1", "KD_KILL_AT": "12", "KD_LOCAL": local}
+    env["KD_SHARD"] = shard
+    result = launch(
+        HERE / "fault_script.py",
+        tmp_path,
+        devices=1,
+        env=env,
+        flags=("--max-restarts", "2", "--goodput", str(goodput)),
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "restarting all 2 (restart 1 of 2)." in result.stderr
+    position = "epoch 2, step 0" if shard == "1" else "epoch 2, step 4"
+    resumed = f"[0] BackupAndRestore: resuming at {position} ({where}backup of 2 "
+    assert resumed + "replicas)." in result.stdout, result.stdout[-3000:]
+    report = json.loads(goodput.read_text())
+    # Work lost: the steps after the local save (11) up to the kill (12),
+    # <= local_save_freq; after the persistent tier's (7): 5 (either may
+    # count one more: process 0's last heartbeat may be a step ahead).
+    assert report["lost_steps"] <= (6 if shard == "1" else 2), report
+    for r in (0, 1):
+        weights = json.loads((tmp_path / f"weights_{r}.json").read_text())
+        assert_weights_close(reference, weights)
+    # `delete_checkpoint`: each process deleted its own local tier at the end.
+    assert not any((tmp_path / "local").glob("process_*/*")), list(
+        (tmp_path / "local").rglob("*")
+    )
