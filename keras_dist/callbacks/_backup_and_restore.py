@@ -297,12 +297,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             "fit_initial_epoch": int(self._fit_initial_epoch),
             "num_replicas": self._replicas,
         }
+        # One Orbax save in flight, of either tier (Orbax's saves share
+        # process-wide state: two at once collide).
         if local:
+            self._open_store().wait()
             self._local.save(self.model, self._saved_number, meta=meta)  # type: ignore[union-attr]
             return
         self._saved_step = step
         if self._local is not None:
-            self._local.wait()  # One Orbax save at a time.
+            self._local.wait()
         self._open_store().save(self.model, self._saved_number, meta=meta)
 
     def _steps_since_save(self) -> int:

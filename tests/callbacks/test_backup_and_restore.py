@@ -146,6 +146,12 @@ def test_bad_input(tmp_path):
         kd.callbacks.BackupAndRestore(tmp_path, save_freq="batch")
     with pytest.raises(ValueError, match="Received: backup_dir=''"):
         kd.callbacks.BackupAndRestore("")
+    with pytest.raises(ValueError, match="Received: local_save_freq=0"):
+        kd.callbacks.BackupAndRestore(
+            tmp_path, local_dir=tmp_path / "l", local_save_freq=0
+        )
+    with pytest.raises(ValueError, match="`local_dir` must be another directory"):
+        kd.callbacks.BackupAndRestore(tmp_path / "b", local_dir=tmp_path / "b")
     blocked = tmp_path / "file"
     blocked.write_text("x")
     with pytest.raises(PermissionError, match="Received: backup_dir="):

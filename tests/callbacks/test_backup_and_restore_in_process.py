@@ -78,6 +78,44 @@ def test_an_interrupted_fit_resumes_bit_exact(tmp_path, capsys, kind):
     assert not backup.exists()  # Deleted once the fit completed.
 
 
+@pytest.mark.parametrize("shard_variables", [False, True], ids=["mirrored", "fsdp"])
+def test_an_interrupted_fit_resumes_from_the_local_tier(
+    tmp_path, capsys, shard_variables
+):
+    # Backups at each epoch's end (8 steps), the local tier every 2 steps:
+    # interrupted at step 7, the local save of step 6 is the newest.
+    def fit(callbacks):
+        keras.utils.set_random_seed(42)
+        strategy = kd.MirroredStrategy(
+            [f"cpu:{i}" for i in range(8)], shard_variables=shard_variables
+        )
+        with strategy.scope():
+            model = resume_model(16)
+        model.fit(epochs=EPOCHS, verbose=0, callbacks=callbacks, **_input("numpy"))
+        return model
+
+    def backup():
+        return kd.callbacks.BackupAndRestore(
+            tmp_path / "backup", local_dir=tmp_path / "local", local_save_freq=2
+        )
+
+    expected = fit([])
+    with pytest.raises(RuntimeError, match=f"interrupted at step {INTERRUPT_AT}"):
+        fit([backup(), InterruptAt(INTERRUPT_AT)])
+    assert sorted(p.name for p in (tmp_path / "local" / "process_0").iterdir()) == [
+        "4",
+        "6",
+    ]  # The newest 2.
+    resumed = fit([backup()])
+    assert (
+        "resuming at epoch 1, step 6 (the local tier's step 6, every process its "
+        "own; backup of 8 replicas)" in capsys.readouterr().out
+    )
+    for a, b in zip(expected.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(b, a)  # Bit-identical.
+    assert not any((tmp_path / "local").rglob("*/*"))  # Deleted at the end.
+
+
 def test_a_backup_of_another_model_is_refused(tmp_path):
     backup = tmp_path / "backup"
     with pytest.raises(RuntimeError, match="interrupted at step 5"):
