@@ -13,6 +13,10 @@ process's CPU time counts.
     raw_bytes     the frozen arrays' parts written to one file (the floor)
     backup        kd.callbacks.BackupAndRestore's synchronous write (Orbax's
                   v1 Checkpointer, `_checkpoint/orbax_store.py`)
+    local_backup  the same state to BackupAndRestore's local tier
+                  (`local_dir`: Orbax's CheckpointManager, each process its
+                  parts, `_checkpoint/local_tier.py`) in /dev/shm (where it
+                  exists), saved and waited for
     weights_h5    model.save_weights(".weights.h5") (Keras's writer)
     weights_h5_background  ModelCheckpoint's `.weights.h5` writer (Keras's
                   H5IOStore from the frozen state), as its background
@@ -41,6 +45,7 @@ first is left out of it: it compiles and warms the caches).
 """
 
 import argparse
+import atexit
 import os
 import pathlib
 import platform
@@ -58,6 +63,7 @@ PARTS = [
     "freeze",
     "raw_bytes",
     "backup",
+    "local_backup",
     "weights_h5",
     "weights_h5_background",
 ]
@@ -193,7 +199,7 @@ def _parts(model, directory: str) -> dict:
     import numpy as np
 
     from keras_dist._checkpoint.freeze import freeze
-    from keras_dist._checkpoint.pipeline import OrbaxSaves
+    from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves
 
     state = list(model.variables) + list(model.optimizer.variables)
     store = OrbaxSaves(
@@ -218,6 +224,15 @@ def _parts(model, directory: str) -> dict:
     def backup():
         store.save(model, next(count), meta={})
 
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else directory
+    local_dir = tempfile.mkdtemp(prefix="keras_dist-local-", dir=shm)
+    atexit.register(shutil.rmtree, local_dir, True)
+    local = LocalSaves(local_dir, owner="bench")
+
+    def local_backup():
+        local.save(model, next(count), meta={})
+        local.wait()
+
     def weights_h5():
         model.save_weights(os.path.join(directory, "m.weights.h5"))
 
@@ -235,6 +250,7 @@ def _parts(model, directory: str) -> dict:
         "freeze": do_freeze,
         "raw_bytes": raw_bytes,
         "backup": backup,
+        "local_backup": local_backup,
         "weights_h5": weights_h5,
         "weights_h5_background": weights_h5_background,
     }

@@ -303,3 +303,23 @@ def test_failures_guide_flags_are_the_launchers_with_their_defaults():
             assert default is None, flag
         elif documented.strip() != "see above":
             assert float(documented) == default, flag
+
+
+def test_failures_guide_local_tier_example_makes_the_callback(tmp_path):
+    # The guide's `BackupAndRestore` with a local tier, on this machine's paths.
+    text = (GUIDES / "failures.md").read_text()
+    (code,) = [
+        block
+        for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+        if "local_dir" in block
+    ]
+    code = code.replace("/shared/run1", str(tmp_path / "shared"))
+    code = code.replace("/dev/shm/run1", str(tmp_path / "local"))
+    import keras_dist as kd
+
+    scope: dict = {"kd": kd}
+    exec(code, scope)
+    backup = scope["backup"]
+    assert backup.local_save_freq == 50 and backup.save_freq == "epoch"
+    assert backup.local_dir == str(tmp_path / "local")
+    assert (tmp_path / "shared" / "backup").is_dir()
