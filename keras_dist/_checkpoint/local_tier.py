@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.orbax_store import GROUPS, ORDER
+from keras_dist._checkpoint.orbax_store import GROUPS, ORDER, Saving
 from keras_dist._version import __version__
 
 __all__ = [
@@ -244,34 +244,26 @@ class Store:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def save_async(self, step: int, tree: dict, described: dict) -> "_Saving":
+    def save_async(self, step: int, tree: dict, described: dict) -> Saving:
         import orbax.checkpoint as ocp
 
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(tree), **{ORDER: ocp.args.JsonSave(described)}
         )
         self._manager.save(step, args=args, force=True)
-        return _Saving(self._manager)
+        manager = self._manager
+
+        def wait() -> None:
+            manager.wait_until_finished()
+            manager.check_for_errors()
+
+        return Saving(manager.is_saving_in_progress, wait)
 
     def reload(self) -> None:
         self._manager.reload()
 
     def close(self) -> None:
         self._manager.close()
-
-
-class _Saving:
-    """A local save in flight, as the pipeline's `Writer` watches one."""
-
-    def __init__(self, manager):
-        self._manager = manager
-
-    def done(self) -> bool:
-        return not self._manager.is_saving_in_progress()
-
-    def result(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
 
 
 def _read(store: Store, step: int, abstract: "dict | None" = None):

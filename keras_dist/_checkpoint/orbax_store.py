@@ -28,7 +28,14 @@ from keras_dist._private_api._orbax_private import without_preemption_queries
 from keras_dist._version import __version__
 from keras_dist.errors import IncompatibleBackupError
 
-__all__ = ["OrbaxStore", "committed_steps", "keep_policy", "preserved", "restore"]
+__all__ = [
+    "OrbaxStore",
+    "Saving",
+    "committed_steps",
+    "keep_policy",
+    "preserved",
+    "restore",
+]
 
 _ONE_ORBAX_SAVE = threading.Lock()
 
@@ -83,17 +90,13 @@ def preserved(policy: Any, checkpoints: list) -> list[bool]:
     return list(policy.should_preserve(checkpoints, context=context))
 
 
-class _Saving:
-    """Orbax's save in flight, as the pipeline's `Writer` watches one."""
+class Saving:
+    """Orbax's save in flight, as the pipeline's `Writer` watches one:
+    `saving()` tells whether it is, `wait()` waits and raises its error."""
 
-    def __init__(self, checkpointer):
-        self._checkpointer = checkpointer
-
-    def done(self) -> bool:
-        return not self._checkpointer.is_saving_in_progress()
-
-    def result(self) -> None:
-        self._checkpointer.wait()  # Raises the background save's error.
+    def __init__(self, saving, wait):
+        self.done = lambda: not saving()
+        self.result = wait
 
 
 class OrbaxStore:
@@ -199,11 +202,12 @@ class OrbaxStore:
         with _ONE_ORBAX_SAVE:
             self._checkpointer.save_checkpointables(step, payload)
 
-    def save_async(self, step: int, payload: dict) -> _Saving:
+    def save_async(self, step: int, payload: dict) -> Saving:
         """Orbax's asynchronous save (several processes: it runs collectives,
         on the training thread); the returned save is in flight."""
         self._checkpointer.save_checkpointables_async(step, payload)
-        return _Saving(self._checkpointer)
+        checkpointer = self._checkpointer  # Its wait raises the save's error.
+        return Saving(checkpointer.is_saving_in_progress, checkpointer.wait)
 
     def close(self) -> None:
         self._checkpointer.close()

@@ -339,7 +339,20 @@ class KerasFileSaves(Writer):
 # Orbax checkpoints -----------------------------------------------------------
 
 
-class OrbaxSaves(Writer):
+class _StoreSaves(Writer):
+    """A writer whose `close` closes its `store` too."""
+
+    store: Any
+
+    @_blocks
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.store.close()
+
+
+class OrbaxSaves(_StoreSaves):
     """An `OrbaxStore`'s saves through one writer.
 
     `what` ("backup") names them in errors; `async_save=False` waits for
@@ -398,15 +411,8 @@ class OrbaxSaves(Writer):
             self.submit(label, lambda: self.store.save_async(step, payload))
         return path
 
-    @_blocks
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.store.close()
 
-
-class LocalSaves(Writer):
+class LocalSaves(_StoreSaves):
     """`BackupAndRestore`'s local tier: this process's parts of the state in
     `directory/process_<p>`, the newest 2 kept; Orbax's asynchronous save
     (it copies the state to the host on the training thread, then writes;
@@ -451,10 +457,3 @@ class LocalSaves(Writer):
         if stale:
             self.store.reload()
         return meta if choice is not None else None
-
-    @_blocks
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self.store.close()
