@@ -59,7 +59,7 @@ def test_save_cost_benchmark_times_each_part_and_counts_collections(tmp_path):
     assert payload["stall_repeats"] == 1
     parts = [row["part"] for row in payload["rows"]]
     assert parts == [
-        *("freeze", "raw_bytes", "backup", "weights_h5"),
+        *("freeze", "raw_bytes", "backup", "local_backup", "weights_h5"),
         "weights_h5_background",
     ]
     for row in payload["rows"]:
