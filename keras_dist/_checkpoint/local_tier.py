@@ -66,9 +66,12 @@ def quiet() -> None:
     logging.getLogger("absl").addFilter(_QUIET)
 
 
-def variables(model) -> list:
-    """The backed-up variables, in `GROUPS`' order."""
-    return [v for group in GROUPS.values() for v in group(model)]
+ALL = tuple(GROUPS)
+
+
+def variables(model, groups: tuple = ALL) -> list:
+    """The backed-up variables of `groups`, in `GROUPS`' order."""
+    return [v for name, group in GROUPS.items() if name in groups for v in group(model)]
 
 
 def _bounds(index, shape: tuple) -> list:
@@ -92,11 +95,11 @@ def parts(values: list) -> list:
     return bounds
 
 
-def record(model, bounds: list, meta: dict) -> dict:
+def record(model, bounds: list, meta: dict, groups: tuple = ALL) -> dict:
     """The JSON a local backup holds beside its arrays."""
     described = [
         {"path": v.path, "shape": list(v.shape), "parts": b}
-        for v, b in zip(variables(model), bounds, strict=True)
+        for v, b in zip(variables(model, groups), bounds, strict=True)
     ]
     return {
         "format": LOCAL_FORMAT,
@@ -114,16 +117,16 @@ def _whole(described: dict) -> bool:
     return size == math.prod(described["shape"])
 
 
-def _fits(model, saved: dict) -> tuple[bool, bool]:
+def _fits(model, saved: dict, groups: tuple) -> tuple[bool, bool]:
     """(this process can rebuild its parts from it, it holds every value
     whole) for a saved record and the running model."""
     if saved.get("format") != LOCAL_FORMAT:
         return False, False
     described = json.loads(saved["variables"])
-    current = [v.value.sharding for v in variables(model)] if model else []
+    targets = variables(model, groups)
+    current = [v.value.sharding for v in targets]
     if len(described) != len(current) or any(
-        list(v.shape) != d["shape"]
-        for v, d in zip(variables(model), described, strict=True)
+        list(v.shape) != d["shape"] for v, d in zip(targets, described, strict=True)
     ):
         return False, False
     whole = all(_whole(d) for d in described)
@@ -146,7 +149,9 @@ class Choice:
         self.step, self.source = step, source
 
 
-def choose(model, store, persistent_newest: "int | None") -> "Choice | None":
+def choose(
+    model, store, persistent_newest: "int | None", groups: tuple = ALL
+) -> "Choice | None":
     """The local backup to restore, agreed by every process (collective);
     None: the persistent tier's. `store`: this process's `OrbaxStore`."""
     optimizer = getattr(model, "optimizer", None)
@@ -158,7 +163,7 @@ def choose(model, store, persistent_newest: "int | None") -> "Choice | None":
             saved = _read(store, step)
         except Exception:  # A torn step: not reported.
             continue
-        own, whole = _fits(model, saved)
+        own, whole = _fits(model, saved, groups)
         table[row] = step, own, whole
     if jax.process_count() > 1:
         table = np.asarray(multihost_utils.process_allgather(table))
@@ -302,10 +307,10 @@ def _placed(whole: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
 
 
-def load(model, store, choice: Choice) -> dict:
+def load(model, store, choice: Choice, groups: tuple = ALL) -> dict:
     """Loads the chosen local backup into `model` (every process, together);
     returns its meta with `metrics_values`."""
-    targets = variables(model)
+    targets = variables(model, groups)
     abstract = {
         str(i): jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.value.sharding)
         for i, v in enumerate(targets)

@@ -427,13 +427,16 @@ class LocalSaves(_StoreSaves):
         self.store = local_tier.Store(self.directory, owner=owner)
 
     @_blocks
-    def save(self, model, step: int, *, meta: dict) -> str | None:
-        """Saves this process's parts as `step` (None: saved already)."""
+    def save(
+        self, model, step: int, *, meta: dict, groups: tuple = tuple(GROUPS)
+    ) -> str | None:
+        """Saves this process's parts of `groups` as `step` (None: saved
+        already)."""
         self.wait()
         if step in self.store.steps():
             return None
-        values = [v.value for v in local_tier.variables(model)]
-        described = local_tier.record(model, local_tier.parts(values), meta)
+        values = [v.value for v in local_tier.variables(model, groups)]
+        described = local_tier.record(model, local_tier.parts(values), meta, groups)
         path = os.path.join(self.directory, str(step))
         tree = {str(i): a for i, a in enumerate(values)}
         self.submit(
@@ -442,14 +445,16 @@ class LocalSaves(_StoreSaves):
         )
         return path
 
-    def restore(self, model, persistent_newest: int | None) -> dict | None:
+    def restore(
+        self, model, persistent_newest: int | None, groups: tuple = tuple(GROUPS)
+    ) -> dict | None:
         """Loads the newest local backup at least as new as the persistent
         tier's (every process together); returns its meta (with `local_step`
         and `source`), or None: restore the persistent tier's. Local steps
         newer than the one restored are deleted (their numbers come again)."""
-        choice = local_tier.choose(model, self.store, persistent_newest)
+        choice = local_tier.choose(model, self.store, persistent_newest, groups)
         if choice is not None:
-            meta = local_tier.load(model, self.store, choice)
+            meta = local_tier.load(model, self.store, choice, groups)
             meta.update(local_step=choice.step, source=choice.source)
         stale = [s for s in self.store.steps() if choice is None or s > choice.step]
         for step in stale:  # Here alone (Orbax's deletion has a barrier).

@@ -8,7 +8,8 @@ from typing import Any, Protocol
 import keras
 
 from keras_dist._checkpoint.orbax_store import GROUPS
-from keras_dist._checkpoint.pipeline import OrbaxSaves, check_writable_dir
+from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves, check_writable_dir
+from keras_dist._checks import check_int
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.cluster import _heartbeat, _sync
 from keras_dist.cluster._environment import resolve
@@ -27,6 +28,11 @@ class _Manager(Protocol):
     def restore(self) -> dict | None: ...
 
 
+# Not the metrics: a custom loop builds them in its first step, after the
+# restore, and `train_on_batch` resets them every step.
+_GROUPS = tuple(g for g in GROUPS if g != "metrics_variables")
+
+
 class _ModelState:
     """The default manager: a model's state in Orbax checkpoints.
 
@@ -37,7 +43,7 @@ class _ModelState:
     them every step.
     """
 
-    def __init__(self, model: keras.Model, directory: str):
+    def __init__(self, model: keras.Model, directory: str, local_dir: str | None):
         self.model = model
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
@@ -52,18 +58,46 @@ class _ModelState:
             async_save=False,
             max_to_keep=2,
         )
+        self._local = (
+            LocalSaves(local_dir, owner="PreemptionCheckpointHandler")
+            if local_dir is not None
+            else None
+        )
 
     def save(self, number: int, meta: dict) -> None:
         self.model.jax_state_sync()
-        groups = tuple(g for g in GROUPS if g != "metrics_variables")
-        self._store.save(self.model, number, groups=groups, meta=meta)
+        if self._local is not None:
+            self._local.wait()  # One Orbax save in flight, of either tier.
+        self._store.save(self.model, number, groups=_GROUPS, meta=meta)
+
+    def save_local(self, number: int, meta: dict) -> None:
+        """A save to the local tier (in the background)."""
+        assert self._local is not None
+        self.model.jax_state_sync()
+        self._local.save(self.model, number, meta=meta, groups=_GROUPS)
 
     def restore(self) -> dict | None:
+        steps = self._store.store.steps()
+        if self._local is not None:
+            newest = max(steps) if steps else None
+            meta = self._local.restore(self.model, newest, groups=_GROUPS)
+            if meta is not None:
+                return meta
         return self._store.store.restore(self.model)
+
+    @property
+    def has_local(self) -> bool:
+        return self._local is not None
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()  # Finishes a save in flight.
 
 
 def _manager(
-    checkpoint_or_manager: Any, checkpoint_dir: "str | os.PathLike | None"
+    checkpoint_or_manager: Any,
+    checkpoint_dir: "str | os.PathLike | None",
+    local_dir: "str | os.PathLike | None",
 ) -> _Manager:
     if isinstance(checkpoint_or_manager, keras.Model):
         if checkpoint_dir is None:
@@ -75,7 +109,10 @@ def _manager(
         directory = check_writable_dir(
             os.fspath(checkpoint_dir), argument="checkpoint_dir"
         )
-        return _ModelState(checkpoint_or_manager, directory)
+        local = None
+        if local_dir is not None:
+            local = check_writable_dir(os.fspath(local_dir), argument="local_dir")
+        return _ModelState(checkpoint_or_manager, directory, local)
     if callable(getattr(checkpoint_or_manager, "save", None)) and callable(
         getattr(checkpoint_or_manager, "restore", None)
     ):
@@ -128,6 +165,14 @@ class PreemptionCheckpointHandler:
         checkpoint_dir: where a model's checkpoints go.
         termination_config: a `kd.TerminationConfig`. Defaults to SIGTERM as
             the notice, `sys.exit(42)`, no grace period.
+        local_dir: with a model: a local tier, as `kd.callbacks.
+            BackupAndRestore`'s (storage each host has to itself): every
+            `local_save_freq` runs each process writes its parts of the state
+            to `local_dir/process_<p>` in the background; a restarted handler
+            (after a process was killed, not only preempted) restores the
+            newest backup of either tier it can restore exactly. Defaults to
+            None.
+        local_save_freq: runs between local saves. Defaults to 10.
 
     Raises:
         ValueError: for a model without `checkpoint_dir`, or a process that
@@ -143,6 +188,9 @@ class PreemptionCheckpointHandler:
         checkpoint_or_manager: "keras.Model | Any",
         checkpoint_dir: "str | os.PathLike | None" = None,
         termination_config: TerminationConfig | None = None,
+        *,
+        local_dir: "str | os.PathLike | None" = None,
+        local_save_freq: int = 10,
     ):
         self.cluster_resolver = resolve(cluster_resolver)
         if self.cluster_resolver.process_id is None and (
@@ -162,7 +210,17 @@ class PreemptionCheckpointHandler:
                 f"Received: {type(termination_config).__name__}."
             )
         self.termination_config = termination_config
-        self._manager = _manager(checkpoint_or_manager, checkpoint_dir)
+        self._local_freq = check_int(
+            local_save_freq, name="local_save_freq", meaning=" (runs)"
+        )
+        if local_dir is not None and not isinstance(checkpoint_or_manager, keras.Model):
+            raise ValueError(
+                "`local_dir` is for the checkpoints of a keras.Model; a manager "
+                "saves where it saves. Received: local_dir="
+                f"{os.fspath(local_dir)!r} with a "
+                f"{type(checkpoint_or_manager).__name__}."
+            )
+        self._manager = _manager(checkpoint_or_manager, checkpoint_dir, local_dir)
         self._run_counter = 0
         self._run_seconds: float | None = None
         self._final_run: int | None = None
@@ -202,6 +260,14 @@ class PreemptionCheckpointHandler:
         if self._run_seconds is not None:  # A moving average of a run's time.
             seconds = 0.8 * self._run_seconds + 0.2 * seconds
         self._run_seconds = seconds
+        if (
+            isinstance(self._manager, _ModelState)
+            and self._manager.has_local
+            and self._run_counter % self._local_freq == 0
+        ):
+            self._manager.save_local(
+                self._run_counter, {"total_run_calls": self._run_counter}
+            )
         self.save_checkpoint_if_preempted()
         return result
 
@@ -235,8 +301,13 @@ class PreemptionCheckpointHandler:
             self._exit()
 
     def close(self) -> None:
-        """Gives SIGTERM back to its previous handler (one process only)."""
-        self._notice.uninstall()
+        """Finishes a local save in flight; gives SIGTERM back to its
+        previous handler (one process only)."""
+        try:
+            if isinstance(self._manager, _ModelState):
+                self._manager.close()
+        finally:
+            self._notice.uninstall()
 
     # Notice -------------------------------------------------------------
 

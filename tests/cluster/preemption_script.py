@@ -3,6 +3,8 @@
 Args: a work directory. Writes `pid_<rank>` at start (the test SIGTERMs one
 process) and `weights_<rank>.json` when the loop ends; every process prints
 "rank R saved at run N" when it saves. KD_STEP_SECONDS slows each step.
+KD_LOCAL=K: a local tier every K runs; KD_KILL_RANK / KD_KILL_RUN: that
+rank SIGKILLs itself during that run, once.
 """
 
 import json
@@ -36,17 +38,32 @@ def make(model):
             f"rank {rank} saved at run {handlers[0].total_run_calls}", flush=True
         )
     )
+    local = {}
+    if "KD_LOCAL" in os.environ:
+        local["local_dir"] = os.path.join(workdir, "local")
+        local["local_save_freq"] = int(os.environ["KD_LOCAL"])
     handlers.append(
         kd.PreemptionCheckpointHandler(
-            strategy.cluster_resolver, model, os.path.join(workdir, "ckpt"), config
+            strategy.cluster_resolver,
+            model,
+            os.path.join(workdir, "ckpt"),
+            config,
+            **local,
         )
     )
     print(f"rank {rank} starts at run {handlers[0].total_run_calls}", flush=True)
     return handlers[0]
 
 
+sigkill = None
+if os.environ.get("KD_KILL_RANK") == str(rank):
+    marker = os.path.join(workdir, "killed")
+    sigkill = (int(os.environ["KD_KILL_RUN"]), marker, os.path.join(workdir, "local"))
 weights = _loop.train(
-    strategy, make, step_seconds=float(os.environ.get("KD_STEP_SECONDS", "0"))
+    strategy,
+    make,
+    step_seconds=float(os.environ.get("KD_STEP_SECONDS", "0")),
+    sigkill=sigkill,
 )
 with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
     json.dump([w.tolist() for w in weights], f)

@@ -22,10 +22,13 @@ def batch(step: int):
     return X[rows], Y[rows]
 
 
-def train(strategy, handler_fn=None, *, kill_at=None, step_seconds=0.0):
+def train(strategy, handler_fn=None, *, kill_at=None, step_seconds=0.0, sigkill=None):
     """The weights after STEPS steps; `handler_fn(model)` makes the handler.
 
     `kill_at`: this process sends itself SIGTERM during that run (1-based).
+    `sigkill`: `(run, marker, local_dir)`: it SIGKILLs itself during that run,
+    once (the marker file), after the local saves made are on every
+    process's storage (`_workload._settled`).
     """
     model = build_in_scope(strategy, initial_weights())
     handler = handler_fn(model) if handler_fn else None
@@ -34,6 +37,13 @@ def train(strategy, handler_fn=None, *, kill_at=None, step_seconds=0.0):
         run = (handler.total_run_calls if handler else 0) + 1
         if run == kill_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if sigkill and run == sigkill[0] and not os.path.exists(sigkill[1]):
+            from tests.cluster._workload import _settled
+
+            _settled(sigkill[2])
+            with open(sigkill[1], "w") as f:
+                f.write("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(step_seconds)
         return model.train_on_batch(x, y)
 

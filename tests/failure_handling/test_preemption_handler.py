@@ -112,6 +112,12 @@ def test_bad_arguments(tmp_path):
         kd.PreemptionCheckpointHandler(None, {}, tmp_path)
     with pytest.raises(TypeError, match="`termination_config` must be"):
         kd.PreemptionCheckpointHandler(None, _Manager(), termination_config={})
+    with pytest.raises(ValueError, match=r"Received: local_dir='.*' with a _Manager"):
+        kd.PreemptionCheckpointHandler(None, _Manager(), local_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"Received: local_save_freq=0"):
+        kd.PreemptionCheckpointHandler(
+            None, model, tmp_path, local_dir=tmp_path / "l", local_save_freq=0
+        )
     with pytest.raises(ValueError, match=r"grace_period=-1"):
         kd.TerminationConfig(grace_period=-1)
     with pytest.raises(TypeError, match=r"exit_fn=42"):

@@ -76,3 +76,25 @@ def test_sigterm_to_one_process_saves_both_at_one_run_and_resumes(tmp_path):
     for rank in (0, 1):
         weights = json.loads((tmp_path / f"weights_{rank}.json").read_text())
         assert_weights_close(expected, weights)
+
+
+def test_a_killed_process_resumes_the_custom_loop_from_the_local_tier(tmp_path):
+    # A local tier every 2 runs; process 1 SIGKILLed during run 8, once the
+    # local save of run 6 is on both processes' storage (that of run 8 is
+    # not made yet): no preemption notice, no persistent checkpoint. The
+    # launcher restarts both; the handlers restore run 6, every process its
+    # own parts, and finish with the weights of an uninterrupted loop.
+    env = {"KD_LOCAL": "2", "KD_KILL_RANK": "1", "KD_KILL_RUN": "8"}
+    result = launch(
+        HERE / "preemption_script.py", tmp_path, devices=2, timeout=180, env=env,
+        flags=("--max-restarts", "1"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "process 1 was killed by SIGKILL" in result.stderr
+    assert "[0] rank 0 starts at run 6" in result.stdout, result.stdout[-3000:]
+    assert "[1] rank 1 starts at run 6" in result.stdout
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    expected = _loop.train(mirrored(4))
+    for rank in (0, 1):
+        weights = json.loads((tmp_path / f"weights_{rank}.json").read_text())
+        assert_weights_close(expected, weights)
