@@ -15,10 +15,16 @@ trial's first run) and off (`--compilation-cache none`). And the goodput
 (`--goodput`) of the uninterrupted run and of one run whose worker is
 SIGKILLed at `--failures` random steps (3 restarts).
 
+`--local K`: backups at each epoch's end and `BackupAndRestore`'s local
+tier every K steps instead (`local_dir`); each trial's work lost (the
+launcher's goodput `lost_steps`: steps redone after the resume) is
+reported beside, against K. Writes `restarts_local.{json,md}` then.
+
 Writes `--out/restarts.json` and `.md`.
 
     python benchmarks/restarts.py --trials 10 --processes 2 4
     python benchmarks/restarts.py --trials 3 --processes 2   # a quick look
+    python benchmarks/restarts.py --trials 5 --processes 2 --local 2 --failures 0
 """
 
 import argparse
@@ -46,9 +52,16 @@ STEPS = 21  # 3 epochs of 7 steps.
 
 
 def _trial(
-    workdir: pathlib.Path, n: int, kind: str, rank: int, step: "int | str", cache: bool
+    workdir: pathlib.Path,
+    n: int,
+    kind: str,
+    rank: int,
+    step: "int | str",
+    cache: bool,
+    local: "int | None" = None,
 ):
-    """One launch; `kind` "none": no fault; `step` "a,b,c": a SIGKILL at each."""
+    """One launch; `kind` "none": no fault; `step` "a,b,c": a SIGKILL at each;
+    `local`: a local tier every that many steps."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(
@@ -58,6 +71,8 @@ def _trial(
     )
     if kind != "none":
         env.update(KD_KILL_RANK=str(rank), KD_KILL_AT=str(step))
+    if local is not None:
+        env.update(KD_LOCAL=str(local))
     cache_dir = workdir / "jax-cache"
     command = [
         sys.executable,
@@ -149,6 +164,9 @@ def main() -> None:
         "--failures", type=int, default=3, help="SIGKILLs in the goodput run"
     )
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument(
+        "--local", type=int, default=None, help="a local tier every K steps"
+    )
     args = parser.parse_args()
 
     draw = random.Random(args.seed)
@@ -157,7 +175,7 @@ def main() -> None:
         # The uninterrupted run at this size: the reference, bit for bit.
         workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
         try:
-            clean = _trial(workdir, n, "none", 0, 0, True)
+            clean = _trial(workdir, n, "none", 0, 0, True, args.local)
             reference = _weights(workdir, n)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -174,7 +192,7 @@ def main() -> None:
                 cache = trial % 2 == 0  # Every other trial without the cache.
                 workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
                 try:
-                    row = _trial(workdir, n, kind, rank, step, cache)
+                    row = _trial(workdir, n, kind, rank, step, cache, args.local)
                     try:
                         row["exact"] = _exact(workdir, n, reference)
                     except AssertionError as error:
@@ -185,6 +203,8 @@ def main() -> None:
                 row["passed"] = (
                     row["code"] == 0 and row["restarts"] == 1 and bool(row["exact"])
                 )
+                report = row.pop("goodput") or {}
+                row["lost_steps"] = report.get("lost_steps")
                 print(
                     f"{n} processes, {kind} of {rank} at step {step}, cache {cache}: "
                     f"{'PASS' if row['passed'] else 'FAIL'} (exit {row['code']}, "
@@ -198,7 +218,7 @@ def main() -> None:
             workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
             try:
                 at = ",".join(map(str, steps))
-                row = _trial(workdir, n, "kill-worker", n - 1, at, True)
+                row = _trial(workdir, n, "kill-worker", n - 1, at, True, args.local)
                 exact = _exact(workdir, n, reference)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -209,6 +229,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, cpu x 1 a process",
         "command": "python benchmarks/restarts.py " + " ".join(sys.argv[1:]),
+        "local_save_freq": args.local,
         "trials": rows,
         "goodput": goodput,
     }
@@ -228,9 +249,16 @@ def _write(folder: pathlib.Path, payload: dict) -> None:
         f"{payload['date']}, {payload['machine']}: `{payload['command']}`",
         "",
         "| processes | fault | trials | finished exactly after 1 restart "
-        "| fault to first step, cache on (median s) | cache off (median s) |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| fault to first step, cache on (median s) | cache off (median s) "
+        "| steps lost (median, max) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    if payload.get("local_save_freq"):
+        lines[2:2] = [
+            f"Backups at each epoch's end (7 steps) and a local tier every "
+            f"{payload['local_save_freq']} steps (`BackupAndRestore(local_dir=...)`).",
+            "",
+        ]
     for n in sorted({r["processes"] for r in rows}):
         for kind in KINDS:
             group = [r for r in rows if r["processes"] == n and r["kind"] == kind]
@@ -239,9 +267,12 @@ def _write(folder: pathlib.Path, payload: dict) -> None:
             on = [r["fault_to_step"] for r in group if r["cache"]]
             off = [r["fault_to_step"] for r in group if not r["cache"]]
             passed = sum(r["passed"] for r in group)
+            lost = [r.get("lost_steps") for r in group]
+            lost = [v for v in lost if v is not None]
+            spread = f"{statistics.median(lost):g}, {max(lost)}" if lost else "n/a"
             lines.append(
                 f"| {n} | {kind} | {len(group)} | {passed} "
-                f"| {_median(on)} | {_median(off)} |"
+                f"| {_median(on)} | {_median(off)} | {spread} |"
             )
     lines += [
         "",
@@ -266,9 +297,10 @@ def _write(folder: pathlib.Path, payload: dict) -> None:
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "restarts.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (folder / "restarts.md").write_text(text)
-    print(f"wrote {folder / 'restarts.json'} and .md")
+    name = "restarts_local" if payload.get("local_save_freq") else "restarts"
+    (folder / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (folder / f"{name}.md").write_text(text)
+    print(f"wrote {folder / name}.json and .md")
 
 
 if __name__ == "__main__":
