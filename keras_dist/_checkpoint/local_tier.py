@@ -153,7 +153,7 @@ def choose(
     model, store, persistent_newest: "int | None", groups: tuple = ALL
 ) -> "Choice | None":
     """The local backup to restore, agreed by every process (collective);
-    None: the persistent tier's. `store`: this process's `OrbaxStore`."""
+    None: the persistent tier's. `store`: this process's local `Store`."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not optimizer.built:  # As a restore does.
         optimizer.build(model.trainable_variables)
