@@ -59,6 +59,10 @@ CHECKED_ELSEWHERE = {
         "TPUStrategy(resolver)",
         "strategies/test_tpu.py::test_tpu_guide_example_falls_back_without_a_tpu",
     ),
+    ("guides/failures.md", 0): (
+        "local_dir=",
+        "test_docs.py::test_failures_guide_local_tier_example_makes_the_callback",
+    ),
     ("guides/large-models.md", 1): (
         "model_parallel=4",
         "test_docs.py::test_large_models_guide_model_parallel_example_runs",

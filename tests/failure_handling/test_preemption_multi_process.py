@@ -57,9 +57,10 @@ def test_sigterm_to_one_process_saves_both_at_one_run_and_resumes(tmp_path):
     assert not (tmp_path / "weights_0.json").exists()
 
     goodput = tmp_path / "goodput.json"
+    # Steps long enough for the heartbeat (four times a second) to see them.
     again = launch(
         HERE / "preemption_script.py", tmp_path, devices=2, timeout=120,
-        flags=("--goodput", str(goodput)),
+        flags=("--goodput", str(goodput)), env={"KD_STEP_SECONDS": "0.2"},
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"[0] rank 0 starts at run {run}" in again.stdout
