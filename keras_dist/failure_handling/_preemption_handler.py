@@ -71,8 +71,9 @@ class _ModelState:
         self._store.save(self.model, number, groups=_GROUPS, meta=meta)
 
     def save_local(self, number: int, meta: dict) -> None:
-        """A save to the local tier (in the background)."""
-        assert self._local is not None
+        """A save to the local tier (in the background), if there is one."""
+        if self._local is None:
+            return
         self.model.jax_state_sync()
         self._local.save(self.model, number, meta=meta, groups=_GROUPS)
 
@@ -84,10 +85,6 @@ class _ModelState:
             if meta is not None:
                 return meta
         return self._store.store.restore(self.model)
-
-    @property
-    def has_local(self) -> bool:
-        return self._local is not None
 
     def close(self) -> None:
         if self._local is not None:
@@ -262,7 +259,6 @@ class PreemptionCheckpointHandler:
         self._run_seconds = seconds
         if (
             isinstance(self._manager, _ModelState)
-            and self._manager.has_local
             and self._run_counter % self._local_freq == 0
         ):
             self._manager.save_local(
