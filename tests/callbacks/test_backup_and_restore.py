@@ -67,26 +67,6 @@ def _assert_same(reference, out_dir, epochs_resumed, rtol=0.0, atol=0.0):
         )
 
 
-# Step 14 ends epoch 2 (the boundary case); mid-epoch resumes after a kill are
-# covered with 2 processes in tests/cluster/test_faults.py.
-@pytest.mark.parametrize("kill_at, epochs_after", [(14, 2)])
-def test_sigkill_then_restart_is_exact(reference, tmp_path, kill_at, epochs_after):
-    # 54 training rows / batch 8 = 7 steps per epoch: step 10 is mid-epoch 2,
-    # step 14 the end of epoch 2.
-    backup = tmp_path / "backup"
-    killed = _run(
-        tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=kill_at, KD_SIGNAL="KILL"
-    )
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert not (tmp_path / "out" / "weights.npz").exists()
-    resumed = _run(tmp_path / "out", KD_BACKUP=backup)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    epoch, step = divmod(kill_at, 7)
-    assert f"resuming at epoch {epoch + 1}, step {step}" in resumed.stdout
-    _assert_same(reference, tmp_path / "out", epochs_after)
-    assert not backup.exists()  # delete_checkpoint=True after completion.
-
-
 def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
     backup = tmp_path / "backup"
     preempted = _run(
@@ -106,23 +86,32 @@ def test_sigterm_saves_and_exits_cleanly(reference, tmp_path):
     _assert_same(reference, tmp_path / "out", 3)
 
 
-def test_corrupt_backup_falls_back_to_the_previous_one(reference, tmp_path):
+# 54 training rows / batch 8 = 7 steps per epoch: step 14 ends epoch 2 (the
+# boundary case). Mid-epoch resumes after a kill: the other tests here, and
+# with 2 processes tests/cluster/test_faults.py.
+def test_sigkill_then_a_restart_past_a_torn_backup_is_exact(reference, tmp_path):
+    """SIGKILLed after step 15 (backups every step, the newest 2 kept), the
+    newest backup torn: the restart says so, resumes from step 14 (the start
+    of epoch 3) and ends equal to an uninterrupted run; the backups are
+    deleted at the end (`delete_checkpoint=True`)."""
     backup = tmp_path / "backup"
-    killed = _run(tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=12, KD_SIGNAL="KILL")
-    assert killed.returncode == -9
-    assert sorted(os.listdir(backup)) == ["11", "12"]
-    for root, _, files in os.walk(backup / "12"):
+    killed = _run(tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=15, KD_SIGNAL="KILL")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert not (tmp_path / "out" / "weights.npz").exists()
+    assert sorted(os.listdir(backup)) == ["14", "15"]
+    for root, _, files in os.walk(backup / "15"):
         for name in files:  # Tear every file of the newest backup.
             path = pathlib.Path(root, name)
             path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
     resumed = _run(tmp_path / "out", KD_BACKUP=backup)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (
-        "backup of step 12" in resumed.stderr
+        "backup of step 15" in resumed.stderr
         and "trying the previous one" in resumed.stderr
     )
-    assert "resuming at epoch 2, step 4" in resumed.stdout
-    _assert_same(reference, tmp_path / "out", 3)
+    assert "resuming at epoch 3, step 0" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 2)
+    assert not backup.exists()
 
 
 def test_resume_on_another_number_of_replicas(reference, tmp_path):
@@ -251,7 +240,7 @@ def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
 def test_random_kills_during_async_saves_then_the_run_ends_bit_identical(
     tmp_path,
 ):
-    """`KILL_TRIALS` SIGKILLs (8 in CI) at random moments while asynchronous
+    """`KILL_TRIALS` SIGKILLs (4 in CI) at random moments while asynchronous
     saves run (every step: BackupAndRestore and ModelCheckpoint files),
     chained on one run: each launch resumes from the newest committed
     backup, commits a newer one and is killed a random 0-0.3 s later. After

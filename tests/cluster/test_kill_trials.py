@@ -1,6 +1,6 @@
 """SIGKILL at random moments of a 2-process run that saves every step.
 
-A chain of `KILL_TRIALS` trials (8 in CI, 20 with `KD_KILL_TRIALS=20`) on
+A chain of `KILL_TRIALS` trials (4 in CI, 20 with `KD_KILL_TRIALS=20`) on
 one work directory: each launch of `kill_script.py` (2 processes x 4 CPU
 devices) resumes from the newest committed backup, runs
 until it has committed a newer one, and one of its processes (chosen at
