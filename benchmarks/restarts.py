@@ -5,9 +5,11 @@ Each trial launches `tests/cluster/fault_script.py` (`_workload.backup_run`:
 cluster with `--max-restarts 3 --heartbeat-timeout 5`, and injects one fault
 at a random global step (seeded): SIGKILL of a random worker, SIGKILL of the
 chief, or SIGSTOP of a random process. A trial passes when the launcher
-exits 0 after exactly one restart and every process's final weights equal
-bit for bit those of an uninterrupted run on as many processes (launched
-first, no fault). It also times the restart: from the fault (the faulty process
+exits 0 after exactly one restart and every process's final state equals
+bit for bit that of an uninterrupted run on as many processes (launched
+first, no fault): its weights, its optimizer's variables (the step count,
+Adam's moments) and the last epoch's loss and metrics as `fit` reports them
+(`fault_script.py` writes them). It also times the restart: from the fault (the faulty process
 writes the time before it kills or stops itself) to the first training
 step after the resume (the chief's `step N` line), with JAX's compilation
 cache on (the launcher's default, emptied before each trial, filled by the
@@ -134,23 +136,31 @@ def _trial(
     }
 
 
-def _weights(workdir: pathlib.Path, n: int) -> list | None:
-    """Every process's final weights (None: one wrote none); they must agree."""
+def _state(workdir: pathlib.Path, n: int) -> dict | None:
+    """Every process's final state (None: one wrote none): its weights, its
+    optimizer's variables and the last epoch's logs; they must agree."""
     found = []
     for rank in range(n):
-        path = workdir / f"weights_{rank}.json"
-        if not path.exists():
+        weights, rest = workdir / f"weights_{rank}.json", workdir / f"state_{rank}.json"
+        if not (weights.exists() and rest.exists()):
             return None
-        found.append(json.loads(path.read_text()))
-    assert all(w == found[0] for w in found), "the processes' weights differ"
+        found.append({"weights": json.loads(weights.read_text())})
+        found[-1].update(json.loads(rest.read_text()))
+    assert all(s == found[0] for s in found), "the processes' final states differ"
     return found[0]
 
 
-def _exact(workdir: pathlib.Path, n: int, reference: list) -> bool | None:
-    """Bit for bit the uninterrupted run's weights at the same size (None: a
-    process wrote none)."""
-    weights = _weights(workdir, n)
-    return None if weights is None else weights == reference
+PARTS = ("weights", "optimizer", "last_epoch")
+
+
+def _exact(workdir: pathlib.Path, n: int, reference: dict) -> dict | None:
+    """Which parts of the final state are bit for bit the uninterrupted run's
+    at the same size: weights, optimizer variables, the last epoch's loss and
+    metrics (None: a process wrote none)."""
+    state = _state(workdir, n)
+    if state is None:
+        return None
+    return {part: state[part] == reference[part] for part in PARTS}
 
 
 def main() -> None:
@@ -176,7 +186,7 @@ def main() -> None:
         workdir = pathlib.Path(tempfile.mkdtemp(prefix="kd-restarts-"))
         try:
             clean = _trial(workdir, n, "none", 0, 0, True, args.local)
-            reference = _weights(workdir, n)
+            reference = _state(workdir, n)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         assert clean["code"] == 0 and reference is not None, clean["tail"]
@@ -194,9 +204,11 @@ def main() -> None:
                 try:
                     row = _trial(workdir, n, kind, rank, step, cache, args.local)
                     try:
-                        row["exact"] = _exact(workdir, n, reference)
+                        parts = _exact(workdir, n, reference)
                     except AssertionError as error:
-                        row["exact"], row["mismatch"] = False, str(error)[:300]
+                        parts, row["mismatch"] = None, str(error)[:300]
+                    row["exact_parts"] = parts
+                    row["exact"] = parts is not None and all(parts.values())
                 finally:
                     shutil.rmtree(workdir, ignore_errors=True)
                 row.update(processes=n, kind=kind, rank=rank, step=step, cache=cache)
@@ -222,7 +234,7 @@ def main() -> None:
                 exact = _exact(workdir, n, reference)
             finally:
                 shutil.rmtree(workdir, ignore_errors=True)
-            assert row["code"] == 0 and exact, row["tail"]
+            assert row["code"] == 0 and exact and all(exact.values()), row["tail"]
             label = f"{n} processes, {args.failures} failures (steps {at})"
             goodput[label] = row["goodput"]
     payload = {
@@ -248,7 +260,8 @@ def _write(folder: pathlib.Path, payload: dict) -> None:
         "",
         f"{payload['date']}, {payload['machine']}: `{payload['command']}`",
         "",
-        "| processes | fault | trials | finished exactly after 1 restart "
+        "| processes | fault | trials | finished after 1 restart, bit for bit "
+        "(weights, optimizer, last epoch's metrics) "
         "| fault to first step, cache on (median s) | cache off (median s) "
         "| steps lost (median, max) |",
         "|---:|---|---:|---:|---:|---:|---:|",

@@ -151,11 +151,12 @@ def test_bad_input(tmp_path):
 # iterator kept across epochs, as Keras does): the restart replays by steps
 # and lands on the batches an uninterrupted run trains on. Step 7 is mid-epoch
 # 3 of 3-step epochs of an 8-batch dataset, in the dataset's second pass.
-# Endless inputs (`.repeat()`, an infinite generator) go through the same
-# replay: test_resume_endless_inputs.py, interrupted in one process.
-@pytest.mark.parametrize("plain", ["", "1"], ids=["mirrored", "plain-keras"])
-def test_kill_and_restart_with_steps_per_epoch_is_exact(tmp_path, plain):
-    env = {"KD_INPUT": "finite-spe", "KD_PLAIN": plain}
+# Here under plain Keras (keras_dist's callback, no strategy); under a
+# strategy the same replay is interrupted in one process
+# (test_backup_and_restore_in_process.py, bit-identical; endless inputs too)
+# and a process of 2 is killed (tests/cluster/test_faults.py).
+def test_kill_and_restart_with_steps_per_epoch_is_exact(tmp_path):
+    env = {"KD_INPUT": "finite-spe", "KD_PLAIN": "1"}
     reference_run = _run(tmp_path / "reference", **env)
     assert reference_run.returncode == 0, reference_run.stderr[-3000:]
     backup = tmp_path / "backup"

@@ -1,14 +1,15 @@
 """BackupAndRestore interrupted by an exception and resumed in one process.
 
-Endless inputs read `steps_per_epoch` steps an epoch: a fit on a repeated
-tf.data pipeline (tf's multi-worker tutorial) or on an infinite generator,
-interrupted mid-epoch 2 and run again with the same backup directory,
-replays its input by steps (never waiting for the end of an endless pass)
-and ends bit-identical to an uninterrupted fit. Here the interruption is an
-exception inside the process; the kill of a real process and its restart
-are tested with the finite pipeline read by `steps_per_epoch` in
-test_backup_and_restore.py (the replay code is the same for all three
-inputs).
+Inputs read `steps_per_epoch` steps an epoch: a fit on a repeated tf.data
+pipeline (tf's multi-worker tutorial), on an infinite generator or on a
+finite tf.data read in several epochs, interrupted mid-epoch and run again
+with the same backup directory, replays its input by steps (never waiting
+for the end of an endless pass) and ends bit-identical to an uninterrupted
+fit. Here the interruption is an exception inside the process; the kill of
+a real process and its restart are tested with the finite pipeline in
+test_backup_and_restore.py (plain Keras, one process) and
+tests/cluster/test_faults.py (2 processes; the replay code is the same for
+all three inputs).
 
 A backup written by another model is refused with the shapes that differ.
 """
@@ -39,8 +40,10 @@ def _input(kind):
         x, y = _data()
         return {"x": x, "y": y, "batch_size": BATCH}
     x, y = _data()
-    if kind == "repeat":
+    if kind in ("repeat", "finite-spe"):
         shuffled = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(ROWS, seed=3)
+        if kind == "finite-spe":  # 8 batches, 3 an epoch: Keras keeps one iterator.
+            return {"x": shuffled.batch(BATCH), "steps_per_epoch": 3}
         return {"x": shuffled.batch(BATCH).repeat(), "steps_per_epoch": STEPS_PER_EPOCH}
 
     def endless():
@@ -60,8 +63,15 @@ def _fit(kind, callbacks, width=16):
     return model, history.history
 
 
-@pytest.mark.parametrize("kind", ["repeat", "generator"])
-def test_an_interrupted_fit_resumes_bit_exact(tmp_path, capsys, kind):
+# A finite tf.data read `steps_per_epoch` steps an epoch (the dataset's one
+# iterator kept across epochs, as Keras does): step 7 is mid-epoch 3 of 3-step
+# epochs of an 8-batch dataset, in the dataset's second pass.
+@pytest.mark.parametrize(
+    "kind, resumed_at",
+    [("repeat", "epoch 2, step 2"), ("generator", "epoch 2, step 2"),
+     ("finite-spe", "epoch 3, step 1")],
+)  # fmt: skip
+def test_an_interrupted_fit_resumes_bit_exact(tmp_path, capsys, kind, resumed_at):
     backup = tmp_path / "backup"
     expected, expected_history = _fit(kind, [])
     with pytest.raises(RuntimeError, match=f"interrupted at step {INTERRUPT_AT}"):
@@ -71,7 +81,7 @@ def test_an_interrupted_fit_resumes_bit_exact(tmp_path, capsys, kind):
              InterruptAt(INTERRUPT_AT)],
         )  # fmt: skip
     resumed, history = _fit(kind, [kd.callbacks.BackupAndRestore(backup)])
-    assert "resuming at epoch 2, step 2" in capsys.readouterr().out
+    assert f"resuming at {resumed_at}" in capsys.readouterr().out
     for a, b in zip(expected.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(b, a)  # Bit-identical.
     assert history["loss"][-1] == expected_history["loss"][-1]

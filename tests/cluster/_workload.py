@@ -336,6 +336,7 @@ def backup_run(
     kind: str = "numpy",
     how: str = "kill",
     local: "tuple | None" = None,
+    state: "dict | None" = None,
 ) -> list:
     """3 epochs of 7 steps with backups every 3 steps; may kill itself (`_KillAt`).
 
@@ -343,7 +344,10 @@ def backup_run(
     `steps_per_epoch` (`_stepped_input`). `local`: `(local_save_freq,
     wipe)`: backups at each epoch's end, a local tier in `backup_dir/../local`
     every `local_save_freq` steps (with `wipe`, the killed process deletes its
-    own first).
+    own first). `state`, a dict, receives the rest of the final state: the
+    optimizer's variables (its step count, Adam's moments) and the last
+    epoch's logs (the loss and metrics Keras reports for it, which a resume
+    mid-epoch must carry over).
     """
     x, y, sw = make_data(N_TRAIN)
     model = build_in_scope(strategy, initial_weights())
@@ -364,7 +368,12 @@ def backup_run(
         inputs = {"x": x, "y": y, "sample_weight": sw, "batch_size": BATCH}
     else:
         inputs = _stepped_input(kind, x, y, sw)
-    model.fit(epochs=3, callbacks=callbacks, shuffle=False, verbose=0, **inputs)
+    history = model.fit(
+        epochs=3, callbacks=callbacks, shuffle=False, verbose=0, **inputs
+    )
+    if state is not None:
+        state["optimizer"] = _listed(v.value for v in model.optimizer.variables)
+        state["last_epoch"] = {k: float(v[-1]) for k, v in history.history.items()}
     return _listed(model.get_weights())
 
 

@@ -6,7 +6,8 @@ comma list: at each of those global steps, over the restarts; KD_FAULT:
 "stop", "hang" or "raise" instead, `_workload._KillAt`);
 KD_INPUT picks the input, KD_LOCAL a local tier, KD_SHARD=1 FSDP
 (`_workload.backup_run`).
-Writes `weights_<rank>.json` when training ends.
+Writes `weights_<rank>.json` when training ends, and `state_<rank>.json`: the
+optimizer's variables and the last epoch's logs.
 """
 
 import json
@@ -35,6 +36,7 @@ kill_at = None
 if os.environ.get("KD_KILL_RANK") == str(rank):
     steps = tuple(int(s) for s in os.environ["KD_KILL_AT"].split(","))
     kill_at = steps[0] if len(steps) == 1 else steps
+state: dict = {}
 weights = _workload.backup_run(
     strategy,
     os.path.join(workdir, "backup"),
@@ -45,7 +47,10 @@ weights = _workload.backup_run(
     None
     if "KD_LOCAL" not in os.environ
     else (int(os.environ["KD_LOCAL"].split(",")[0]), "wipe" in os.environ["KD_LOCAL"]),
+    state=state,
 )
 with open(os.path.join(workdir, f"weights_{rank}.json"), "w") as f:
     json.dump(weights, f)
+with open(os.path.join(workdir, f"state_{rank}.json"), "w") as f:
+    json.dump(state, f)  # The optimizer's variables, the last epoch's logs.
 print(f"rank {rank} done", flush=True)
