@@ -11,9 +11,8 @@ first, no fault): its weights, its optimizer's variables (the step count,
 Adam's moments) and the last epoch's loss and metrics as `fit` reports them
 (`fault_script.py` writes them). It also times the restart: from the fault
 (the faulty process writes the time before it kills or stops itself) to the
-first training
-step after the resume (the chief's `step N` line), with JAX's compilation
-cache on (the launcher's default, emptied before each trial, filled by the
+first training step after the resume (the chief's `step N` line), with JAX's
+compilation cache on (the launcher's default, emptied before each trial, filled by the
 trial's first run) and off (`--compilation-cache none`). And the goodput
 (`--goodput`) of the uninterrupted run and of one run whose worker is
 SIGKILLed at `--failures` random steps (3 restarts).
