@@ -34,6 +34,9 @@ MODELS = {
                   head_dim=64, intermediate=4096, seq=128, batch=16),
     "gemma-small": dict(vocab=1024, layers=2, hidden=128, heads=4, kv_heads=2,
                         head_dim=32, intermediate=1024, seq=64, batch=16),
+    # The smoke test's: every configuration's code, the fewest FLOPs.
+    "tiny": dict(vocab=256, layers=1, hidden=64, heads=4, kv_heads=2,
+                 head_dim=16, intermediate=128, seq=16, batch=16),
 }  # fmt: skip
 SPEC = MODELS[MODEL]
 GET_LAYOUT_MAP = keras_hub.models.GemmaBackbone.get_layout_map

@@ -60,6 +60,13 @@ MB = 1 << 20
 def _parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the small model")
+    p.add_argument(
+        "--model",
+        default=None,
+        choices=["gemma", "gemma-small", "tiny"],
+        help="the model (default: gemma; gemma-small with --quick; tiny: a "
+        "smoke run's, 1 layer of hidden 64)",
+    )
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--steps", type=int, default=None, help="steps per epoch")
     p.add_argument("--repeats", type=int, default=2, help="timed epochs")
@@ -197,7 +204,7 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
-    model = "gemma-small" if args.quick else "gemma"
+    model = args.model or ("gemma-small" if args.quick else "gemma")
     args.steps = args.steps or (2 if args.quick else 3)
     rows = {}
     for config in args.configs.split(","):

@@ -48,7 +48,8 @@ def test_memory_benchmark_quick_mode(tmp_path):
 @pytest.mark.benchmarks
 def test_model_parallel_benchmark_quick_mode(tmp_path):
     configs = "one_device,mirrored_8x1,auto_2x4,hub_2x4"
-    args = ["--quick", "--configs", configs, "--steps", "1", "--repeats", "1"]
+    args = ["--quick", "--model", "tiny", "--configs", configs]
+    args += ["--steps", "1", "--repeats", "1"]
     out = _run(["benchmarks/model_parallel.py", *args, "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "model_parallel_quick.json").read_text())
     rows = payload["rows"]
