@@ -372,7 +372,7 @@ def backup_run(
         epochs=3, callbacks=callbacks, shuffle=False, verbose=0, **inputs
     )
     if state is not None:
-        state["optimizer"] = _listed(v.value for v in model.optimizer.variables)
+        state["optimizer"] = _listed(model.optimizer.variables)  # Gathered whole.
         state["last_epoch"] = {k: float(v[-1]) for k, v in history.history.items()}
     return _listed(model.get_weights())
 
