@@ -10,11 +10,11 @@ import keras_dist as kd
 FEATURES = 6
 CLASSES = 3
 # The random-kill chains (tests/cluster/test_kill_trials.py and
-# tests/callbacks/test_backup_and_restore.py): 4 kills each in CI (within its
-# 50 minutes: the many-trial figures are the restarts soak's,
+# tests/callbacks/test_backup_and_restore.py): 2 kills each in CI (within its
+# 40 minutes: the many-trial figures are the restarts soak's,
 # benchmarks/restarts.py, committed); `KD_KILL_TRIALS=20 python -m pytest -m
 # kill_trials` runs the longer chains of 20.
-KILL_TRIALS = int(os.environ.get("KD_KILL_TRIALS", "4"))
+KILL_TRIALS = int(os.environ.get("KD_KILL_TRIALS", "2"))
 
 
 def committed_backup_step(backup) -> int:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.test_docs import _run
+from tests._docs import run as run_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.benchmarks]
 
@@ -16,7 +16,7 @@ def test_checkpointing_benchmark_measures_each_configuration(tmp_path):
     args = ["--sizes", "tiny", "--layouts", "fsdp", "--configs", ",".join(configs)]
     args += ["--steps", "4", "--every", "2", "--pairs", "1", "--out", str(tmp_path)]
     args += ["--page-cache-pause", "0.1"]
-    out = _run(["benchmarks/checkpointing.py", *args])
+    out = run_python(["benchmarks/checkpointing.py", *args])
     payload = json.loads((tmp_path / "checkpointing.json").read_text())
     assert (payload["steps"], payload["every"], payload["repeats"]) == (4, 2, 1)
     rows = {row["config"]: row for row in payload["rows"]}
@@ -51,7 +51,7 @@ def test_checkpointing_benchmark_measures_each_configuration(tmp_path):
 def test_save_cost_benchmark_times_each_part_and_counts_collections(tmp_path):
     args = ["--layouts", "fsdp", "--repeats", "2", "--stall-repeats", "1"]
     args += ["--fit-steps", "6"]
-    out = _run(
+    out = run_python(
         ["benchmarks/save_cost.py", *args, "--width", "64", "--out", str(tmp_path)]
     )
     payload = json.loads((tmp_path / "save_cost.json").read_text())

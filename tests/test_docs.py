@@ -5,64 +5,18 @@ docs/ (tests/test_docs_site.py runs their other examples and builds the site).
 """
 
 import os
-import pathlib
 import re
-import subprocess
-import sys
 import tomllib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from tests._docs import ROOT, as_installed, assert_quiet, python_blocks, run_with_stderr
+from tests._docs import run as _run
+
 PROJECT_EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
     "optional-dependencies"
 ]
 GUIDES = ROOT / "docs" / "guides"
-TIMEOUT = 300
-
-
-def _run(args, env_extra=None):
-    """Runs Python in a fresh process, without the tests' XLA_FLAGS/backend;
-    its stdout."""
-    return _run_with_stderr(args, env_extra)[0]
-
-
-def _run_with_stderr(args, env_extra=None) -> tuple[str, str]:
-    """`_run`'s stdout, and its stderr."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "KERAS_BACKEND")
-    }
-    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    env.update(env_extra or {})
-    result = subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=ROOT,
-        env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout, result.stderr
-
-
-def as_installed(page: pathlib.Path) -> dict[str, str]:
-    """The environment that runs `page`'s code on exactly the install it
-    names first (a guide's "Install, in a checkout of keras_dist: `pip
-    install -e ...`", README's demo command): the test extra's other
-    packages (TensorFlow, TFDS, ...) refused at import, as where they are not
-    installed (tests/as_installed/)."""
-    line = next(
-        (line for line in page.read_text().splitlines() if "pip install -e " in line),
-        None,
-    )
-    assert line, f"{page.name} does not say what to install"
-    extras = re.search(r'pip install -e "?\.(?:\[([\w,]*)\])?"?', line)
-    return {
-        "PYTHONPATH": str(ROOT / "tests" / "as_installed"),
-        "KD_AS_INSTALLED": extras.group(1) or "",
-        "KD_INSTALLED_ALONE": ",".join(re.findall(r'--no-deps "([\w-]+)==', line)),
-    }
 
 
 @pytest.mark.parametrize(
@@ -89,20 +43,6 @@ def test_a_page_runs_on_exactly_the_install_it_names(page, found):
     )
     out = _run(["-c", code], as_installed(ROOT / page))
     assert out.strip() == found
-
-
-def assert_quiet(stderr: str) -> None:
-    """No line another library prints that a user can do nothing about."""
-    noise = [
-        line
-        for line in stderr.splitlines()
-        if "WARNING:absl" in line or "[Gloo]" in line
-    ]
-    assert noise == [], noise[:5]
-
-
-def _python_blocks(path: pathlib.Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
 
 
 @pytest.mark.source_checks
@@ -184,7 +124,7 @@ def test_readme_and_the_benchmarks_headline_quote_only_repeated_results():
 
 @pytest.mark.examples
 def test_readme_quickstart_runs():
-    blocks = _python_blocks(ROOT / "README.md")
+    blocks = python_blocks(ROOT / "README.md")
     assert blocks, "README has no python example"
     out = _run(["-c", blocks[0]], as_installed(ROOT / "README.md"))
     lines = out.strip().splitlines()
@@ -195,7 +135,7 @@ def test_readme_quickstart_runs():
 
 @pytest.mark.examples
 def test_custom_training_loop_guide_runs():
-    blocks = _python_blocks(GUIDES / "custom-training-loops.md")
+    blocks = python_blocks(GUIDES / "custom-training-loops.md")
     assert blocks, "the custom-loop guide has no python example"
     out = _run(["-c", blocks[0]], as_installed(GUIDES / "custom-training-loops.md"))
     losses = [float(v) for v in re.findall(r"^Epoch \d, Loss: (\d\.\d{4})$", out, re.M)]
@@ -206,7 +146,7 @@ def test_custom_training_loop_guide_runs():
 
 @pytest.mark.examples
 def test_multi_host_guide_example_runs_in_one_process():
-    blocks = [b for b in _python_blocks(GUIDES / "multi-host.md") if "MultiWorker" in b]
+    blocks = [b for b in python_blocks(GUIDES / "multi-host.md") if "MultiWorker" in b]
     assert blocks, "the multi-host guide has no MultiWorkerMirroredStrategy example"
     out = _run(["-c", blocks[0]], as_installed(GUIDES / "multi-host.md"))
     assert out.strip().splitlines()[-1] == "1 (100, 3)"
@@ -229,7 +169,7 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
         "examples/multi_worker_digits.py --epochs 3"
     )
     args = [*command.split()[1:], "--epochs", "1", "--workdir", str(tmp_path)]
-    out, err = _run_with_stderr(
+    out, err = run_with_stderr(
         ["-m", "keras_dist_run", *args], as_installed(GUIDES / "multi-host.md")
     )
     assert_quiet(out + err)  # The launcher's default output.
@@ -248,7 +188,7 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
 
 
 def _mixed_precision_blocks() -> list[str]:
-    return _python_blocks(GUIDES / "mixed-precision.md")
+    return python_blocks(GUIDES / "mixed-precision.md")
 
 
 MIXED_PRECISION_INSTALL = as_installed(GUIDES / "mixed-precision.md")

@@ -23,12 +23,12 @@ import types
 import pytest
 
 import keras_dist
-from tests.test_docs import (
+from tests._docs import (
     ROOT,
-    _python_blocks,
-    _run_with_stderr,
     as_installed,
     assert_quiet,
+    python_blocks,
+    run_with_stderr,
 )
 
 DOCS = ROOT / "docs"
@@ -174,7 +174,7 @@ def _doc_blocks() -> list[tuple[str, int, str]]:
     blocks = []
     for path in sorted(DOCS.rglob("*.md")):
         page = path.relative_to(DOCS).as_posix()
-        blocks += [(page, i, b) for i, b in enumerate(_python_blocks(path))]
+        blocks += [(page, i, b) for i, b in enumerate(python_blocks(path))]
     return blocks
 
 
@@ -198,7 +198,7 @@ def test_the_examples_checked_elsewhere_are_those_blocks():
 )
 def test_docs_python_block_runs(page, index, block):
     """On exactly the install its page names (`as_installed`), quietly."""
-    _, err = _run_with_stderr(
+    _, err = run_with_stderr(
         ["-c", block], env_extra={**EIGHT_DEVICES, **as_installed(DOCS / page)}
     )
     assert_quiet(err)

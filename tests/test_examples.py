@@ -10,13 +10,13 @@ import re
 
 import pytest
 
-from tests.test_docs import ROOT, _run, _run_with_stderr, as_installed, assert_quiet
+from tests._docs import ROOT, as_installed, assert_quiet, run, run_with_stderr
 
 
 @pytest.mark.examples
 @pytest.mark.slow
 def test_demo_runs_and_matches_one_device(tmp_path):
-    out, err = _run_with_stderr(
+    out, err = run_with_stderr(
         [
             "examples/digits_cnn.py",
             "--epochs",
@@ -89,7 +89,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
     """Smoke test of every configuration (2 steps, 1 run each): the schema."""
     args = ["--quick", "--steps", "2", "--epochs", "1", "--repeats", "1"]
     args += ["--models", "tiny", "--scaling", "1,8", "--jobs", "2"]
-    out = _run(["benchmarks/single_vs_mirrored.py", *args, "--out", str(tmp_path)])
+    out = run(["benchmarks/single_vs_mirrored.py", *args, "--out", str(tmp_path)])
     assert "1 runs per configuration (< 3): indicative only, not figures" in out
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
     assert payload["indicative"] == "1 runs per configuration (< 3)"
@@ -166,7 +166,7 @@ def test_benchmark_quick_mode_writes_its_tables(tmp_path):
 def test_optimizer_benchmark_writes_its_table(tmp_path):
     """The Adam benchmark: every update on each shape, a table and the JSON."""
     args = ["--devices", "1", "--shapes", "16x4,32", "--repeats", "2"]
-    out = _run(["benchmarks/optimizer_update.py", *args, "--out", str(tmp_path)])
+    out = run(["benchmarks/optimizer_update.py", *args, "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "optimizer_update.json").read_text())
     rows = [(r["devices"], r["shape"], r["update"]) for r in payload["rows"]]
     updates = ["keras", "optax", "keras-form", "optax-form"]
@@ -192,7 +192,7 @@ def test_optimizer_benchmark_names_a_bad_shape(tmp_path):
         match=r"--shapes takes sizes like 784x10\. "
         r"Received: '7by3'",
     ):
-        _run(
+        run(
             [
                 "benchmarks/optimizer_update.py",
                 "--shapes",
@@ -213,7 +213,7 @@ def test_optimizer_benchmark_passes_xla_flags_and_names_a_failed_measurement(
         match=r"The 1-device measurement failed: .*"
         r"Unknown flag in XLA_FLAGS: --xla_cpu_no_such_flag=1",
     ):
-        _run(
+        run(
             [
                 "benchmarks/optimizer_update.py",
                 *("--devices", "1", "--shapes", "8", "--repeats", "1"),
@@ -227,7 +227,7 @@ def test_optimizer_benchmark_passes_xla_flags_and_names_a_failed_measurement(
 @pytest.mark.examples
 @pytest.mark.slow
 def test_seed_keras_tutorial_runs_with_only_the_strategy_lines_changed(tmp_path):
-    out = _run(
+    out = run(
         [
             "examples/keras_tutorial.py",
             "--mock",
@@ -281,7 +281,7 @@ def test_benchmark_names_what_a_crashed_run_said(tmp_path, monkeypatch):
 
 @pytest.mark.benchmarks
 def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
-    out = _run(
+    out = run(
         [
             "benchmarks/batch_path.py",
             "--steps",
@@ -317,4 +317,4 @@ def test_batch_path_counts_the_files_a_fit_batch_runs_in(tmp_path):
         "strategies",
     ]
     with pytest.raises(AssertionError, match="--paths must name"):
-        _run(["benchmarks/batch_path.py", "--paths", "parquet"])
+        run(["benchmarks/batch_path.py", "--paths", "parquet"])

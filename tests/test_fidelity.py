@@ -86,13 +86,16 @@ def test_mirrored_matches_one_device(kind, weighted, batch_size, n):
 
     assert len(ref_history["loss"]) == 3
     assert {"loss", "accuracy", "val_loss", "val_accuracy"} <= set(history)
-    assert_history_close(ref_history, history)
     # 60 steps of 5 rows on 8 replicas: BatchNormalization's moments of 5
     # rows, summed replica by replica, round otherwise than on one device;
-    # its 1/sqrt(variance) of so few rows carries that to 2e-5 in the weights
-    # and predictions (without BatchNormalization: 3e-8, as with batches of
-    # at least a row a replica).
-    atol = 1e-4 if batch_size < n else None
+    # its 1/sqrt(variance) of so few rows carries that into the weights, the
+    # predictions and the epochs' losses: 2e-5 on the CPUs of earlier runs,
+    # up to 1.2e-4 in a bias and 3.4e-5 in a loss of 1.64 on an AMD EPYC
+    # (2026-12-04): XLA:CPU vectorizes the sums by the CPU's features
+    # (without BatchNormalization: 3e-8, as with batches of at least a row a
+    # replica).
+    atol = 3e-4 if batch_size < n else None
+    assert_history_close(ref_history, history, atol=atol or 1e-6)
     assert_weights_close(ref_weights, weights, atol=atol or 1e-6)
     np.testing.assert_allclose(evaluated, ref_eval, rtol=1e-5, atol=1e-6)
     assert predicted.shape == (N_TEST, 3)

@@ -11,9 +11,10 @@ imports are not counted; any other module's are.
 
 import ast
 import pathlib
-import re
 
 import pytest
+
+from tests._layout import floors, room_of
 
 pytestmark = pytest.mark.source_checks
 
@@ -21,17 +22,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("keras_dist", "keras_dist_run")
 # Imports that run back up the table, each with its reason (at most one).
 UPWARD: dict[tuple[str, str], str] = {}
-
-
-def _table() -> dict[str, int]:
-    """Room -> floor, from the design page's table."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    section = text.split("## How the code is laid out", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\d+) \| `([^`]+)` \|", section, flags=re.M)
-    assert rows, "docs/design.md has no table under 'How the code is laid out'"
-    table = {room: int(floor) for floor, room in rows}
-    assert len(table) == len(rows), "a room is listed twice"
-    return table
 
 
 def _rooms_in_tree() -> set[str]:
@@ -51,20 +41,6 @@ def _rooms_in_tree() -> set[str]:
         rooms = {r for r in rooms if not r.startswith("keras_dist_run/")}
         rooms.add("keras_dist_run/")
     return rooms
-
-
-def _room_of(rel: pathlib.PurePath, table: dict[str, int]) -> str:
-    """The room of a module path (`keras_dist/strategies/state/_x.py`): the
-    longest folder of the table that holds it, or the module itself."""
-    text = str(rel)
-    if text in table:
-        return text
-    parts = rel.parts
-    for end in range(len(parts) - 1, 0, -1):
-        folder = "/".join(parts[:end]) + "/"
-        if folder in table:
-            return folder
-    raise AssertionError(f"{text} is in no room of docs/design.md's table")
 
 
 def _module_path(name: str) -> pathlib.PurePath | None:
@@ -107,23 +83,23 @@ def _arrows(table: dict[str, int]) -> set[tuple[str, str, str]]:
             face = path.name == "__init__.py" and str(rel) not in table
             if package == "keras_dist" and face:
                 continue  # A folder's face: it hands names on.
-            source = _room_of(rel, table)
+            source = room_of(rel, table)
             for target in _imports(path):
-                room = _room_of(target, table)
+                room = room_of(target, table)
                 if room != source:
                     arrows.add((source, room, str(rel)))
     return arrows
 
 
 def test_every_folder_and_module_has_its_line():
-    table = _table()
+    table = floors()
     in_tree = _rooms_in_tree()
     assert sorted(in_tree - set(table)) == [], "rooms without a line in design.md"
     assert sorted(set(table) - in_tree) == [], "lines of rooms the tree lacks"
 
 
 def test_every_import_runs_down_a_floor():
-    table = _table()
+    table = floors()
     wrong = sorted(
         f"{file}: {source} (floor {table[source]}) imports {target} "
         f"(floor {table[target]})"
@@ -135,7 +111,7 @@ def test_every_import_runs_down_a_floor():
 
 
 def test_a_room_that_imports_upward_is_found():
-    table = dict(_table())
+    table = dict(floors())
     # The cluster layer imported by the host input path is fine; swapped, not.
     table["keras_dist/cluster/"], table["keras_dist/data/host/"] = (
         table["keras_dist/data/host/"],
@@ -149,6 +125,6 @@ def test_a_room_that_imports_upward_is_found():
 
 
 def test_the_private_api_and_the_launcher_import_nothing_of_keras_dist():
-    table = _table()
+    table = floors()
     for room in ("keras_dist/_private_api/", "keras_dist_run/"):
         assert [a for a in _arrows(table) if a[0] == room] == [], room

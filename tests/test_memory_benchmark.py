@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.test_docs import _run
+from tests._docs import run
 
 CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
 
@@ -17,7 +17,7 @@ CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
 @pytest.mark.benchmarks
 def test_memory_benchmark_quick_mode(tmp_path):
     args = ["--quick", "--model", "tiny", "--steps", "2", "--repeats", "1"]
-    out = _run(["benchmarks/memory.py", *args, "--jobs", "2", "--out", str(tmp_path)])
+    out = run(["benchmarks/memory.py", *args, "--jobs", "2", "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "memory.json").read_text())
     rows = payload["rows"]
     assert list(rows) == CONFIGS
@@ -50,7 +50,7 @@ def test_model_parallel_benchmark_quick_mode(tmp_path):
     configs = "one_device,mirrored_8x1,auto_2x4,hub_2x4"
     args = ["--quick", "--model", "tiny", "--configs", configs]
     args += ["--steps", "1", "--repeats", "1"]
-    out = _run(["benchmarks/model_parallel.py", *args, "--out", str(tmp_path)])
+    out = run(["benchmarks/model_parallel.py", *args, "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "model_parallel_quick.json").read_text())
     rows = payload["rows"]
     assert list(rows) == configs.split(",")

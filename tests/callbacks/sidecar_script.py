@@ -23,10 +23,10 @@ if resolver.task_type == "evaluator":
     kd.cluster.initialize()  # Joins nothing: the evaluator runs locally.
     if os.environ.get("KD_EVALUATOR_FAILS"):
         raise RuntimeError("the evaluator fails on purpose")
-    from tests.callbacks.test_sidecar_evaluator import XV, YV, _evaluator_model
+    from tests.callbacks._sidecar import XV, YV, evaluator_model
 
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(),
+        evaluator_model(),
         (XV, YV),
         os.path.join(workdir, "ckpts"),
         callbacks=[keras.callbacks.CSVLogger(os.path.join(workdir, "eval.csv"))],
@@ -39,7 +39,7 @@ if resolver.task_type == "evaluator":
 else:
     strategy = kd.MultiWorkerMirroredStrategy()
     from tests._helpers import build_in_scope, initial_weights
-    from tests.callbacks.test_sidecar_evaluator import X, Y
+    from tests.callbacks._sidecar import X, Y
 
     model = build_in_scope(strategy, initial_weights())
     checkpoint = kd.callbacks.ModelCheckpoint(

@@ -241,7 +241,7 @@ def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
 def test_random_kills_during_async_saves_then_the_run_ends_bit_identical(
     tmp_path,
 ):
-    """`KILL_TRIALS` SIGKILLs (4 in CI) at random moments while asynchronous
+    """`KILL_TRIALS` SIGKILLs (2 in CI) at random moments while asynchronous
     saves run (every step: BackupAndRestore and ModelCheckpoint files),
     chained on one run: each launch resumes from the newest committed
     backup, commits a newer one and is killed a random 0-0.3 s later. After

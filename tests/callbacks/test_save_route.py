@@ -50,17 +50,17 @@ WING = (
 
 
 def _floors() -> dict[str, int]:
-    from tests.test_layout import _table
+    from tests._layout import floors
 
-    return _table()
+    return floors()
 
 
 def _rank(file: str, floors: dict[str, int]) -> tuple[int, int]:
     """Where a file of keras_dist stands: its room's floor, then its place
     in the wing (lower is further down)."""
-    from tests.test_layout import _room_of
+    from tests._layout import room_of
 
-    floor = floors[_room_of(pathlib.PurePath("keras_dist", file), floors)]
+    floor = floors[room_of(pathlib.PurePath("keras_dist", file), floors)]
     for place, names in enumerate(WING):
         if file in ((names,) if isinstance(names, str) else names):
             return floor, len(WING) - place

@@ -16,15 +16,11 @@ import keras_dist as kd
 from tests._helpers import (
     assert_weights_close,
     build_in_scope,
-    compile_model,
     initial_weights,
-    make_data,
     make_model,
     mirrored,
 )
-
-X, Y, _ = make_data(45)
-XV, YV, _ = make_data(23, seed=5)
+from tests.callbacks._sidecar import XV, YV, X, Y, evaluator_model
 
 
 def _train(directory, epochs=3, **checkpoint_kwargs) -> keras.Model:
@@ -38,14 +34,8 @@ def _train(directory, epochs=3, **checkpoint_kwargs) -> keras.Model:
     return model
 
 
-def _evaluator_model() -> keras.Model:
-    model = compile_model(make_model())
-    model.optimizer.build(model.trainable_variables)  # Loads its saved state.
-    return model
-
-
 def _evaluate(path) -> dict:
-    model = _evaluator_model()
+    model = evaluator_model()
     model.load_weights(path)
     return model.evaluate(XV, YV, verbose=0, return_dict=True)
 
@@ -54,7 +44,7 @@ def test_each_checkpoint_once_with_evaluate_numbers_csv_and_best(tmp_path):
     _train(tmp_path)
     log = tmp_path / "eval.csv"
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(),
+        evaluator_model(),
         (XV, YV),
         tmp_path,
         callbacks=[keras.callbacks.CSVLogger(str(log))],
@@ -82,7 +72,7 @@ def test_each_checkpoint_once_with_evaluate_numbers_csv_and_best(tmp_path):
     assert summary["checkpoint"] == best["checkpoint"]
     assert summary["monitor"] == "loss"
     assert summary["value"] == best["metrics"]["loss"]
-    kept, source = _evaluator_model(), _evaluator_model()
+    kept, source = evaluator_model(), evaluator_model()
     kept.load_weights(tmp_path / "best" / "best.weights.h5")
     source.load_weights(best["checkpoint"])
     assert_weights_close(source.get_weights(), kept.get_weights(), rtol=0, atol=0)
@@ -91,7 +81,7 @@ def test_each_checkpoint_once_with_evaluate_numbers_csv_and_best(tmp_path):
 def test_best_by_a_max_metric_and_max_evaluations(tmp_path):
     _train(tmp_path, epochs=4)
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(),
+        evaluator_model(),
         (XV, YV),
         tmp_path,
         max_evaluations=2,
@@ -110,7 +100,7 @@ def test_best_by_a_max_metric_and_max_evaluations(tmp_path):
 
 def test_no_checkpoint_times_out_within_the_idle_timeout(tmp_path):
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(), (XV, YV), tmp_path / "none", idle_timeout=0.5
+        evaluator_model(), (XV, YV), tmp_path / "none", idle_timeout=0.5
     )
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"no checkpoint appeared in .*none"):
@@ -126,7 +116,7 @@ def test_without_an_index_it_stops_after_the_idle_timeout(tmp_path, capsys):
     )
     model.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=[checkpoint])
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.5, best_dir=None
+        evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.5, best_dir=None
     )
     start = time.monotonic()
     evaluator.start()
@@ -143,7 +133,7 @@ def test_without_an_index_it_stops_after_the_idle_timeout(tmp_path, capsys):
 def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
     _train(tmp_path, epochs=1)
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.3, poll_interval=0.05
+        evaluator_model(), (XV, YV), tmp_path, idle_timeout=0.3, poll_interval=0.05
     )
     from keras_dist.callbacks._sidecar_evaluator import CheckpointWatch
 
@@ -173,7 +163,7 @@ def test_a_rewritten_checkpoint_is_evaluated_again(tmp_path):
 )
 def test_bad_arguments_fail_at_creation(tmp_path, kwargs, error, message):
     with pytest.raises(error, match=message):
-        kd.callbacks.SidecarEvaluator(_evaluator_model(), (XV, YV), tmp_path, **kwargs)
+        kd.callbacks.SidecarEvaluator(evaluator_model(), (XV, YV), tmp_path, **kwargs)
 
 
 def test_an_uncompiled_model_or_unknown_monitor_is_refused(tmp_path):
@@ -181,7 +171,7 @@ def test_an_uncompiled_model_or_unknown_monitor_is_refused(tmp_path):
         kd.callbacks.SidecarEvaluator(make_model(), (XV, YV), tmp_path)
     _train(tmp_path, epochs=1)
     evaluator = kd.callbacks.SidecarEvaluator(
-        _evaluator_model(), (XV, YV), tmp_path, monitor="val_acc"
+        evaluator_model(), (XV, YV), tmp_path, monitor="val_acc"
     )
     with pytest.raises(ValueError, match=r"`monitor='val_acc'` is not among"):
         evaluator.start()

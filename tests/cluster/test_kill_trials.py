@@ -1,6 +1,6 @@
 """SIGKILL at random moments of a 2-process run that saves every step.
 
-A chain of `KILL_TRIALS` trials (4 in CI, 20 with `KD_KILL_TRIALS=20`) on
+A chain of `KILL_TRIALS` trials (2 in CI, 20 with `KD_KILL_TRIALS=20`) on
 one work directory: each launch of `kill_script.py` (2 processes x 4 CPU
 devices) resumes from the newest committed backup, runs
 until it has committed a newer one, and one of its processes (chosen at
@@ -26,7 +26,8 @@ import pytest
 
 import keras_dist as kd
 from tests._helpers import KILL_TRIALS, committed_backup_step, make_model
-from tests.cluster.test_multi_worker import HERE, launch
+from tests._processes import CLUSTER as HERE
+from tests._processes import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.kill_trials]
 

@@ -13,7 +13,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.launch import free_port
-from tests.cluster.test_multi_worker import by_hand
+from tests._processes import by_hand
 
 SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]

@@ -96,3 +96,33 @@ def test_only_gloos_connection_lines_are_dropped(lines, relayed):
     keras_dist_run._pump(0, io.StringIO("".join(lines)), verbose, verbose=True)
     assert quiet.getvalue() == "".join(f"[0] {line}" for line in relayed)
     assert verbose.getvalue() == "".join(f"[0] {line}" for line in lines)
+
+
+def test_a_failed_process_is_named_and_the_group_restarted_within_seconds(tmp_path):
+    """The launcher's supervision (start, relay, name the failed process,
+    stop the others, restart the group) on commands that import nothing:
+    the fast tier's test of `keras_dist_run` (tests/cluster/test_launch.py
+    and test_restarts.py run it with real JAX clusters)."""
+    marker = tmp_path / "failed_once"
+    script = (
+        f'if [ "$KERAS_DIST_PROCESS_ID" = 1 ] && [ ! -e {marker} ]; then '
+        f"touch {marker}; echo failing; exit 3; fi; "
+        'echo "done $KERAS_DIST_PROCESS_ID of $KERAS_DIST_NUM_PROCESSES"'
+    )
+    launcher = [sys.executable, "-m", "keras_dist_run", "-n", "2", "--no-python"]
+    once, elapsed = _run([*launcher, "sh", "-c", script])
+    assert once.returncode == 3, once.stderr
+    assert "[1] failing" in once.stdout
+    assert once.stderr.splitlines()[-1] == (
+        "keras-dist-run: process 1 exited with status 3 before joining; "
+        "exiting with status 3."
+    )
+    marker.unlink()
+    again, elapsed = _run([*launcher, "--max-restarts", "1", "sh", "-c", script])
+    assert again.returncode == 0, again.stderr
+    assert (
+        "keras-dist-run: process 1 exited with status 3 before joining; "
+        "restarting all 2 (restart 1 of 1)." in again.stderr
+    )
+    assert "[0] done 0 of 2" in again.stdout and "[1] done 1 of 2" in again.stdout
+    assert elapsed < 30, elapsed

@@ -77,7 +77,7 @@ def _assert_same(expected: dict, got: dict) -> None:
 
 # 4 x 1 against 2 x 2 (2 x 1, one device a process with 2 processes: the
 # full MultiWorkerMirroredStrategy script in test_multi_worker.py, the split
-# state in test_sharded_one_device_a_process.py; this example under the
+# state in test_sharded_multi_process.py[2x1]; this example under the
 # launcher with 2 processes: tests/test_docs.py, the multi-host guide's
 # command).
 @pytest.mark.parametrize("one_device, fewer", [((4, 1), (2, 2))], ids=["4x1"])

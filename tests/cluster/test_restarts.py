@@ -18,8 +18,9 @@ import pytest
 
 import keras_dist as kd
 from tests._helpers import assert_weights_close
+from tests._processes import CLUSTER as HERE
+from tests._processes import launch
 from tests.cluster import _workload
-from tests.cluster.test_multi_worker import HERE, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 

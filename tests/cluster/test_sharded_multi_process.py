@@ -1,12 +1,18 @@
-"""Split state over 2 real processes x 4 devices vs one device.
+"""Split state over 2 real processes vs one device, in two layouts.
 
-FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy` options) and
-`ParameterServerStrategy` split variables and slots over all 8 devices, so
-each variable has parts on both processes: fit (NumPy; FSDP also PyDataset
-and tf.data), evaluate, predict, ModelCheckpoint (every process takes part
-in the gather, the chief writes), a custom loop and (FSDP) a keras-hub GPT-2
-must give the one-device numbers; so must `model_parallel=4` on a (2, 4) mesh whose
-replicas (mesh rows) each stay inside one process.
+2 processes x 4 devices: FSDP and ZeRO-1 (`MultiWorkerMirroredStrategy`
+options) and `ParameterServerStrategy` split variables and slots over all 8
+devices, so each variable has parts on both processes: fit (NumPy; FSDP also
+PyDataset and tf.data), evaluate, predict, ModelCheckpoint (every process
+takes part in the gather, the chief writes), a custom loop and (FSDP) a
+keras-hub GPT-2 must give the one-device numbers; so must `model_parallel=4`
+on a (2, 4) mesh whose replicas (mesh rows) each stay inside one process.
+
+2 x 1, one device a process as most GPU clusters run (`sharded_script.py
+one_device`; ParameterServer with `FixedShardsPartitioner(2)`): each variable
+split over the 2 processes, one part each; fit, evaluate, predict,
+`ModelCheckpoint` files, sharded checkpoints, backups and the custom loop as
+in the 2 x 4 run.
 """
 
 import functools
@@ -27,8 +33,8 @@ from tests._helpers import (
     initial_weights,
     make_data,
 )
+from tests._processes import launch
 from tests.cluster import _workload
-from tests.cluster.test_multi_worker import launch
 
 HERE = pathlib.Path(__file__).parent
 NAMES = ("fsdp", "parameter_server", "zero1")
@@ -58,17 +64,54 @@ def _state(model) -> list:
     return [*model.variables, *model.optimizer.variables]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("sharded")
+# (processes, devices a process): 2 x 4 runs the whole script.
+LAYOUTS = [(2, 4), (2, 1)]
+
+
+# Each layout launched once for the module, however pytest orders the tests
+# that take it (the indirect parametrizations below regroup them).
+_LAUNCHED: dict = {}
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}x{p[1]}")
+def cluster(request, tmp_path_factory):
+    if request.param not in _LAUNCHED:
+        _LAUNCHED[request.param] = _launch(*request.param, tmp_path_factory)
+    return _LAUNCHED[request.param]
+
+
+def _launch(n: int, devices: int, tmp_path_factory) -> tuple:
+    workdir = tmp_path_factory.mktemp(f"sharded_{n}x{devices}")
     # The processes restore it too (1 -> 2 processes).
     one_process_state = _one_process_backup(workdir / "one_process_backup")
-    result = launch(HERE / "sharded_script.py", workdir, timeout=500)
+    mode = ["one_device"] if devices == 1 else []
+    result = launch(
+        HERE / "sharded_script.py", workdir, *mode, devices=devices, timeout=500
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     results = [json.loads((workdir / f"result_{r}.json").read_text()) for r in (0, 1)]
     for result in results:
         result["one_process_state"] = one_process_state
     return workdir, results
+
+
+only_2x4 = pytest.mark.parametrize("cluster", [LAYOUTS[0]], indirect=True, ids=["2x4"])
+
+
+# Every strategy on both layouts but the model axis, which needs several
+# devices a process: 2 x 4 only.
+LAYOUT_NAMES = [
+    pytest.param(layout, name, id=f"{layout[0]}x{layout[1]}-{name}")
+    for layout in LAYOUTS
+    for name in (FIT_NAMES if layout == (2, 4) else NAMES)
+]
+by_layout_and_name = pytest.mark.parametrize(
+    "cluster, name", LAYOUT_NAMES, indirect=["cluster"]
+)
+
+
+def _layout(results) -> str:
+    return "2x4" if results[0]["fsdp"]["replicas"] == 8 else "2x1"
 
 
 @functools.cache
@@ -87,21 +130,26 @@ def _split(shape, parts: int = 8):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_process_holds_its_four_eighths(cluster, name):
+def test_each_process_holds_its_part(cluster, name):
+    """2 x 4: four eighths of each split variable, one on each device; 2 x 1:
+    half of it."""
     _, results = cluster
+    replicas, local = (8, 4) if _layout(results) == "2x4" else (2, 1)
     for result in results:
         got = result[name]
-        assert (got["replicas"], got["num_processes"]) == (8, 2)
+        assert (got["replicas"], got["num_processes"]) == (replicas, 2)
         split = 0
         for path, (shape, held) in got["parts"].items():
             is_slot = "_momentum" in path or "_velocity" in path
-            expected = shape if name == "zero1" and not is_slot else _split(shape)
-            assert held == [expected] * 4, path
+            part = _split(shape, replicas)
+            expected = shape if name == "zero1" and not is_slot else part
+            assert held == [expected] * local, path
             split += expected != shape
         # FSDP/PS: 7 weights and 10 Adam moments split; ZeRO-1: the 10 moments.
         assert split == (10 if name == "zero1" else 17)
 
 
+@only_2x4
 def test_model_parallel_keeps_each_replica_inside_a_process(cluster):
     _, results = cluster
     for result in results:
@@ -124,7 +172,7 @@ def test_model_parallel_keeps_each_replica_inside_a_process(cluster):
         assert split == 6  # 2 kernels and their 2 Adam moments each.
 
 
-@pytest.mark.parametrize("name", FIT_NAMES)
+@by_layout_and_name
 def test_fit_evaluate_predict_match_one_device(cluster, name):
     _, results = cluster
     expected, _ = reference()
@@ -146,7 +194,7 @@ def test_fit_evaluate_predict_match_one_device(cluster, name):
     assert results[0][name]["fit"]["weights"] == results[1][name]["fit"]["weights"]
 
 
-@pytest.mark.parametrize("name", FIT_NAMES)
+@by_layout_and_name
 def test_chief_writes_loadable_checkpoints_of_split_variables(cluster, name):
     workdir, results = cluster
     files = sorted(p.name for p in (workdir / name).glob("ckpt_*"))
@@ -166,7 +214,7 @@ def _onto(devices: int):
 
 
 @pytest.mark.parametrize("devices", [8, 1])
-@pytest.mark.parametrize("name", FIT_NAMES)
+@by_layout_and_name
 def test_two_process_sharded_checkpoints_restore_in_one_process(cluster, name, devices):
     """Written by 2 processes (each its parts, in the background): exact on 1."""
     workdir, results = cluster
@@ -180,6 +228,7 @@ def test_two_process_sharded_checkpoints_restore_in_one_process(cluster, name, d
     assert int(np.asarray(model.optimizer.iterations)) == 2 * 7  # 2 epochs of 7.
 
 
+@only_2x4
 @pytest.mark.parametrize("devices", [8, 1])
 def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devices):
     """The 2-process FSDP run's last backup: a 1-process fit resumes from it."""
@@ -208,8 +257,10 @@ def test_two_process_async_backups_resume_in_one_process(cluster, tmp_path, devi
 
 def test_a_one_process_backup_restores_onto_two_processes(cluster):
     """A backup written by one process: each of 2 processes reads the parts
-    its 4 devices hold (FSDP over 8), exactly."""
+    its devices hold (FSDP over 8 devices, 4 a process; over 2, 1 a
+    process), exactly."""
     _, results = cluster
+    local = 4 if _layout(results) == "2x4" else 1
     for result in results:
         got = result["fsdp"]["from_one_process"]
         assert got["epoch"] == 1
@@ -217,9 +268,10 @@ def test_a_one_process_backup_restores_onto_two_processes(cluster):
             result["one_process_state"], got["state"], strict=True
         ):
             np.testing.assert_array_equal(np.asarray(value), np.asarray(expected))
-        assert got["parts_held"] == 4
+        assert got["parts_held"] == local
 
 
+@only_2x4
 @pytest.mark.parametrize("rank", [0, 1])
 def test_two_process_saves_run_in_the_background(cluster, rank):
     """BackupAndRestore and sharded ModelCheckpoint save in the background
@@ -245,6 +297,7 @@ def gpt2_reference():
     return _models.run_case("gpt2", kd.OneDeviceStrategy("cpu:0"))
 
 
+@only_2x4
 def test_keras_hub_transformer_matches_one_device(cluster):
     """GPT-2 (keras-hub) with every weight split over both processes (FSDP).
 

@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from tests._helpers import assert_weights_close, mirrored
-from tests.cluster.test_multi_worker import HERE, launch
+from tests._processes import CLUSTER as HERE
+from tests._processes import launch
 from tests.failure_handling import _loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]

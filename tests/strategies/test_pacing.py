@@ -112,6 +112,7 @@ def _child_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in dropped}
 
 
+@pytest.mark.slow  # Two 400-step epochs, each in a process of its own.
 @pytest.mark.parametrize("paced", [True, False], ids=["paced", "unpaced"])
 def test_a_long_epoch_on_eight_cpu_devices_completes(paced):
     """Unpaced, only the thread pool `import keras_dist` sizes keeps it alive."""

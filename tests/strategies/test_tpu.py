@@ -21,6 +21,7 @@ import keras_dist as kd
 from keras_dist.tpu import _strategy as _tpu
 from keras_dist.tpu._mesh import tpu_device_order
 from keras_dist.tpu._strategy import check_global_batch
+from tests._docs import ROOT, as_installed, python_blocks, run
 from tests._helpers import (
     assert_history_close,
     assert_weights_close,
@@ -30,7 +31,6 @@ from tests._helpers import (
     mirrored,
 )
 from tests._tpu_fakes import fake_tpu_devices, ids
-from tests.test_docs import ROOT, _python_blocks, _run, as_installed
 
 CPU = jax.local_devices(backend="cpu")
 
@@ -273,10 +273,10 @@ def test_check_global_batch(monkeypatch):
 def test_tpu_guide_example_falls_back_without_a_tpu():
     """The TPU guide's snippet runs here unchanged: MirroredStrategy on CPU."""
     guide = ROOT / "docs" / "guides" / "tpu.md"
-    blocks = [b for b in _python_blocks(guide) if "TPUStrategy" in b]
+    blocks = [b for b in python_blocks(guide) if "TPUStrategy" in b]
     assert blocks, "the TPU guide has no TPUStrategy example"
     flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    out = _run(["-c", blocks[0]], env_extra={**flags, **as_installed(guide)})
+    out = run(["-c", blocks[0]], env_extra={**flags, **as_installed(guide)})
     assert out.splitlines()[0] == "MirroredStrategy 8"
     assert "Epoch 2/2" in out
 

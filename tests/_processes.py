@@ -1,0 +1,69 @@
+"""Starting keras_dist processes for the multi-process tests: by hand (each
+its TF_CONFIG, as a scheduler starts them) or under `keras-dist-run`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+CLUSTER = pathlib.Path(__file__).parent / "cluster"
+
+
+def by_hand(script, env=None, timeout=120) -> list[tuple[int, str, str]]:
+    """2 processes of `script`, one CPU device each, started as a scheduler
+    starts them (each its TF_CONFIG, no launcher): each one's (status,
+    stdout, stderr); none outlives the call."""
+    from keras_dist.launch import free_port
+
+    workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    processes = []
+    for index in (0, 1):
+        environ = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
+        }
+        environ.update(
+            TF_CPP_MIN_LOG_LEVEL="3",
+            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+            TF_CONFIG=json.dumps(
+                {
+                    "cluster": {"worker": workers},
+                    "task": {"type": "worker", "index": index},
+                }
+            ),
+            **(env or {}),
+        )
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=environ,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, *out) for p, out in zip(processes, outputs, strict=True)]
+
+
+def launch(script, *args, n=2, devices=4, timeout=400, env=None, flags=()):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update(env or {})
+    command = [sys.executable, "-m", "keras_dist_run", "-n", str(n)]
+    command += ["--devices-per-process", str(devices), *flags]
+    command += [str(script), *map(str, args)]
+    return subprocess.run(
+        command,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
