@@ -5,22 +5,6 @@ import os
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
-# Compiling is most of an in-process test's time on 2 cores, and these
-# tests' programs are tiny: XLA:CPU's LLVM back end without its costly
-# optimizations compiles them faster (tests/data/test_sparse.py: 98 s of CPU
-# with a cold cache, 80 s without them; 2026-12-04, this 2-core box). The
-# HLO passes (fusion, sharding, collectives) are unchanged, every program of
-# a comparison (N devices against one, a resumed run against an
-# uninterrupted one) is compiled alike, and the processes the tests start
-# (clusters, examples, benchmarks) run with XLA's defaults, as users do.
-# `KD_TEST_XLA_OPTIMIZED=1` keeps XLA's defaults here too.
-if os.environ.get("KD_TEST_XLA_OPTIMIZED") != "1":
-    for _cheap in (
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-    ):
-        if _cheap.split("=")[0] not in os.environ["XLA_FLAGS"]:
-            os.environ["XLA_FLAGS"] += f" {_cheap}"
 os.environ["KERAS_BACKEND"] = "jax"
 # jax starts below, before keras_dist is imported: give XLA:CPU's client the
 # threads keras_dist's import would (3 a device; keras_dist/_backend.py).

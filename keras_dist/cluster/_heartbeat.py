@@ -19,9 +19,12 @@ loop makes no progress (every file changes, `progress` does not), and where
 each stood. A process that ends on an uncaught exception writes
 `failed_<process>` (`record_failure`: the exception and its step), which the
 launcher compares across restarts: the same error at the same step twice is
-not something a restart fixes. Without the launcher: nothing.
+not something a restart fixes. A process that exits writes its heartbeat
+once more, so its last steps are counted however soon after them it ends.
+Without the launcher: nothing.
 """
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -78,17 +81,27 @@ def start(process_id: int | None) -> None:
         return
     path = os.path.join(folder, f"heartbeat_{process_id}")
     stop = threading.Event()
+    writing = threading.Lock()  # The thread's beats and the last one, at exit.
 
     ledger = _Ledger()
 
+    def beat() -> None:
+        with writing:
+            _write(path, ledger.snapshot(time.time()))
+
     def run() -> None:
         while not stop.is_set():
-            _write(path, ledger.snapshot(time.time()))
+            beat()
             stop.wait(INTERVAL_SECONDS)
+
+    def last_beat() -> None:
+        stop.set()
+        beat()
 
     thread = threading.Thread(target=run, name="keras_dist-heartbeat", daemon=True)
     _STARTED.update(process_id=process_id, stop=stop)
     thread.start()
+    atexit.register(last_beat)
 
 
 class _Ledger:

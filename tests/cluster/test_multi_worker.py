@@ -1,9 +1,10 @@
 """MultiWorkerMirroredStrategy: real processes vs one process.
 
 Two layouts: 2 processes x 4 devices (the full script), and one device a
-process as most GPU clusters run, 2 x 1 (4 x 1 trains the multi-host example
-in test_one_device_a_process.py); each compared with one process of as many
-devices and with one device.
+process as most GPU clusters run, 2 x 1 (4 x 1: test_restarts.py's
+`4x1-to-2x1`, whose steps before the kill the resumed run ends exactly
+from); each compared with one process of as many devices and with one
+device.
 """
 
 import functools

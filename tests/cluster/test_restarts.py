@@ -132,7 +132,9 @@ def test_a_restart_on_half_the_processes_continues_the_same_run(
 ):
     # A host lost for good: the user restarts the same command on what is
     # left. The backup (of step 9) is resharded onto the smaller cluster,
-    # which reads the same global batches from there.
+    # which reads the same global batches from there. (4 x 1 is also the
+    # suite's run of 4 processes of one device each: the resumed run ends at
+    # one device's weights only if its 9 steps were one device's.)
     env = {"KD_KILL_RANK": "1", "KD_KILL_AT": "11"}
     first = launch(
         HERE / "fault_script.py", tmp_path, n=before[0], devices=before[1], env=env
