@@ -11,6 +11,10 @@ os.environ["KERAS_BACKEND"] = "jax"
 os.environ.setdefault("PJRT_NPROC", "24")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # TF must not grab a GPU.
+# Orbax's `gs://` paths through fsspec (gcsfs, which the tests point at a
+# local fake-gcs-server: tests/_storage.py), not TensorFlow's gfile. Read
+# once, at etils' first path: so here, before any test.
+os.environ.setdefault("EPATH_USE_TF", "false")
 # JAX's persistent compilation cache, shared by both xdist workers and every
 # process a test starts (they inherit the environment): the suite builds the
 # same small models under the same strategies in many files, and compiling is

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.freeze import freeze, prepare
 from keras_dist._private_api._keras_saving import (
     Snapshot,
@@ -119,8 +120,12 @@ def atomic_write(final_path: str, write: Callable[[str], object]) -> None:
 
     The temporary file sits in the same directory and ends with the same
     name (format checks on the suffix pass); a crash before the rename
-    leaves the previous `final_path` untouched.
+    leaves the previous `final_path` untouched. On a bucket (`gs://`,
+    `s3://`): written to a local temporary file, then uploaded as one object.
     """
+    if storage.is_remote(final_path):
+        storage.write_whole(final_path, write, storage.basename(final_path))
+        return
     directory, name = os.path.split(os.path.abspath(final_path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex[:12]}-{name}")
@@ -143,7 +148,9 @@ def atomic_write_json(final_path: str, payload: Any) -> None:
 def remove_stale_temps(directory: str) -> list[str]:
     """Removes `atomic_write`'s temporary files an interrupted run left (named
     as it names them, last modified before this process started)."""
-    removed = []
+    removed: list[str] = []
+    if storage.is_remote(directory):  # Written there whole, never in parts.
+        return removed
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
             if not (_TEMP.match(entry.name) and entry.is_file(follow_symlinks=False)):
@@ -197,7 +204,7 @@ def save_once(
     """
     path = os.fspath(filepath)
     single = path.endswith(_SINGLE_FILES) and not path.startswith("hf://")
-    atomic = single and (overwrite or not os.path.exists(path))
+    atomic = single and (overwrite or not storage.exists(path))
     if jax.process_count() == 1:
         if atomic:
             atomic_write(path, save)

@@ -280,7 +280,7 @@ def _read(store: Store, step: int, abstract: "dict | None" = None):
     Orbax's operation ids with this one's).
     """
     import orbax.checkpoint as ocp
-    from etils import epath  # type: ignore[import-untyped]  # Orbax's paths
+    from etils import epath  # Orbax's paths
 
     step_dir = epath.Path(store.directory) / str(step)
     handlers = _handlers(_alone())

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.freeze import freeze, prepare
 from keras_dist._private_api import _private
 from keras_dist._private_api._orbax_private import without_preemption_queries
@@ -234,7 +235,7 @@ class OrbaxStore:
 
         steps = self.steps()
         for step in reversed(steps):
-            path = os.path.join(self.directory, str(step))
+            path = storage.join(self.directory, str(step))
             try:
                 meta, values = restore(model, path, backup=True)
             except IncompatibleBackupError:
@@ -260,15 +261,13 @@ class OrbaxStore:
     def _refuse_earlier_formats(self) -> None:
         """A backup of keras_dist 0.1 (one process: `arrays/`, its own raw
         format; several: Orbax's v0 `state` item) is refused, not misread."""
-        if not os.path.isdir(self.directory):
-            return
-        for entry in os.scandir(self.directory):
-            if entry.name.isdigit() and any(
-                os.path.isdir(os.path.join(entry.path, item))
-                for item in ("arrays", "state")
+        for name in storage.listdir(self.directory):
+            step = storage.join(self.directory, name)
+            if name.isdigit() and any(
+                storage.isdir(storage.join(step, item)) for item in ("arrays", "state")
             ):
                 raise IncompatibleBackupError(
-                    f"The checkpoint {entry.path} is in a format of keras_dist "
+                    f"The checkpoint {step} is in a format of keras_dist "
                     "0.1 (`arrays/`: keras_dist.raw_arrays/1; `state/`: an "
                     "Orbax v0 item), which this keras_dist "
                     f"{__version__} does not read: since 0.2.0 it writes "
@@ -279,20 +278,28 @@ class OrbaxStore:
 
 
 def committed_steps(directory: str) -> list[int]:
-    """The committed Orbax checkpoints of `directory` (a step's directory is
-    renamed to its number once complete)."""
-    if not os.path.isdir(directory):
-        return []
+    """The committed Orbax checkpoints of `directory`: on a disk a step's
+    directory is renamed to its number once complete; on a bucket (no
+    rename) it has Orbax's `commit_success.txt`, written last."""
+    if not storage.is_remote(directory):
+        if not os.path.isdir(directory):
+            return []
+        return [
+            int(entry.name)
+            for entry in os.scandir(directory)
+            if entry.name.isdigit() and entry.is_dir()
+        ]
     return [
-        int(entry.name)
-        for entry in os.scandir(directory)
-        if entry.name.isdigit() and entry.is_dir()
+        int(name)
+        for name in storage.listdir(directory)
+        if name.isdigit()
+        and storage.exists(storage.join(directory, name, "commit_success.txt"))
     ]
 
 
 def _step_directory(path: str) -> str:
     steps = committed_steps(path)
-    return os.path.join(path, str(max(steps))) if steps else path
+    return storage.join(path, str(max(steps))) if steps else path
 
 
 def _leaf(tree, path: str):
@@ -336,9 +343,9 @@ def restore(model, path: str, *, backup: bool = False):
             does not fit the model, naming the first variable that differs.
     """
     ocp = _ocp()
-    step_dir = _step_directory(os.path.abspath(path))
+    step_dir = _step_directory(storage.check(path, argument="path"))
     record = None
-    if os.path.isdir(os.path.join(step_dir, ORDER)):
+    if storage.isdir(storage.join(step_dir, ORDER)):
         record = ocp.load_checkpointables(step_dir, {ORDER: None})[ORDER]
     if record and record.get("format", FORMAT) != FORMAT:
         raise _mismatch(

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import jax
 
-from keras_dist._checkpoint import keras_files, local_tier
+from keras_dist._checkpoint import keras_files, local_tier, storage
 from keras_dist._checkpoint.orbax_store import (
     GROUPS,
     OrbaxStore,
@@ -163,26 +163,49 @@ class Writer:
                 self._executor = None
 
 
-def check_writable_dir(path: str, *, argument: str) -> str:
-    """Creates `path` if needed and proves it is writable, or raises now.
+def check_writable_dir(
+    path: str, *, argument: str, orbax: bool = False, local: bool = False
+) -> str:
+    """Creates `path` if needed and proves it is writable, or raises now;
+    returns it as the pipeline keeps it (local: absolute; a URL as given).
+    `orbax`: Orbax writes there (which has no S3 store); `local`: each
+    host's own storage (no URL).
 
     Raises:
-        PermissionError: if the directory cannot be created or written.
+        ValueError: a URL no installed library serves (`storage.check`), or
+            (`orbax`) on `s3://`, or (`local`) any URL.
+        PermissionError: if the directory (or the bucket) cannot be created
+            or written.
     """
-    directory = os.path.abspath(path or ".")
+    if local and storage.is_remote(path):
+        raise ValueError(
+            f"`{argument}` is each host's own storage (a local disk, /dev/shm), "
+            f"not a URL. Received: {argument}={path!r}. Keep the bucket for "
+            "the persistent tier (`backup_dir`) and give each host a local "
+            f"folder as `{argument}`."
+        )
+    directory = storage.check(path or ".", argument=argument, orbax=orbax)
+    probe = storage.join(directory, f".keras_dist-write-test-{uuid.uuid4().hex}")
     try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".keras_dist-write-test-{uuid.uuid4().hex}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        if storage.is_remote(directory):
+            storage.write_whole(probe, _write_probe, "probe")
+        else:
+            os.makedirs(directory, exist_ok=True)
+            _write_probe(probe)
+        storage.remove(probe)
     except OSError as error:
         raise PermissionError(
             f"`{argument}` must be in a writable directory, checked before "
-            f"training starts. Received: {argument}={path!r} ({error.strerror}: "
+            f"training starts. Received: {argument}={path!r} "
+            f"({error.strerror or type(error).__name__ + ': ' + str(error)}: "
             f"{directory}). Pick a directory you can write to."
         ) from error
     return directory
+
+
+def _write_probe(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("ok")
 
 
 # Keras's files ---------------------------------------------------------------
@@ -290,7 +313,7 @@ class KerasFileSaves(Writer):
         drops (the other processes keep no index)."""
         if not chief:
             return
-        path = os.path.abspath(path)
+        path = path if storage.is_remote(path) else os.path.abspath(path)
         self._kept = [k for k in self._kept if k.path != path]
         now = datetime.datetime.now(datetime.UTC)
         self._kept.append(_Kept(path, int(epoch), int(step), now))
@@ -299,8 +322,7 @@ class KerasFileSaves(Writer):
             for k, kept in list(zip(self._kept, keep, strict=True)):
                 if not kept:
                     self._kept.remove(k)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(k.path)
+                    storage.remove(k.path)
         self.write_index(done=False, chief=chief)
 
     def write_index(self, *, done: bool, chief: bool) -> None:
@@ -309,18 +331,18 @@ class KerasFileSaves(Writer):
         if not chief or not self._kept:
             return
         names = [
-            os.path.basename(k.path)
+            storage.basename(k.path)
             for k in self._kept
-            if os.path.dirname(k.path) == self.directory
+            if storage.dirname(k.path) == self.directory
         ]
-        epochs = {os.path.basename(k.path): k.epoch for k in self._kept}
+        epochs = {storage.basename(k.path): k.epoch for k in self._kept}
         state = {
-            "latest": os.path.basename(self._kept[-1].path),
+            "latest": storage.basename(self._kept[-1].path),
             "all": names,
             "epochs": {name: epochs[name] for name in names},
             "done": done,
         }
-        keras_files.atomic_write_json(os.path.join(self.directory, STATE_FILE), state)
+        keras_files.atomic_write_json(storage.join(self.directory, STATE_FILE), state)
 
     @_blocks
     def close(self) -> None:
@@ -398,7 +420,7 @@ class OrbaxSaves(_StoreSaves):
         self.wait()  # One save in flight (and its error raised).
         if step in self.store.steps():
             return None
-        path = os.path.join(self.store.directory, str(step))
+        path = storage.join(self.store.directory, str(step))
         label = f"the {self.what} of step {step} to {path}"
         if jax.process_count() == 1:
             # Orbax's asynchronous save copies the state to the host before

@@ -208,6 +208,9 @@ SIGNATURES: dict[str, tuple] = {
     "Model.save_weights": ("self", "filepath", "overwrite", "max_shard_size"),
     "save_model": ("model", "filepath", "overwrite", "zipped", "kwargs"),
     "save_weights": ("model", "filepath", "overwrite", "max_shard_size", "kwargs"),
+    "Model.load_weights": ("self", "filepath", "skip_mismatch", "kwargs"),
+    "load_weights": ("model", "filepath", "skip_mismatch", "kwargs"),
+    "load_model": ("filepath", "custom_objects", "compile", "safe_mode"),
     # Keras 3.15, then the nightly (its super-batches of `steps_per_execution`).
     "_distribute_data": (("data", "layouts"), ("data", "layouts", "is_super_batch")),
     # The nightly's `_get_iterator` (`_releases.MOVED`) takes no distribution.

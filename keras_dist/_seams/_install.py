@@ -98,7 +98,9 @@ trainer's `fit`):
     `save_weights` (and `keras.models.save_model`) on a model whose strategy
     spans processes: every process takes part, the chief writes one complete
     file (`_checkpoint/keras_files.save_once`), all return when it is
-    complete; a process that is not saving is named at once.
+    complete; a process that is not saving is named at once. The same, and
+    the load functions, for a `gs://`/`s3://` path: written and read whole
+    through a local file.
 
 `install()` is idempotent and is called when `keras_dist` is imported. With no
 keras_dist strategy involved, every wrapped function behaves as Keras's own.
@@ -130,7 +132,7 @@ from keras_dist._seams._optimizer import (
     _check_finite,
     _stateless_apply,
 )
-from keras_dist._seams._save_calls import saved_once
+from keras_dist._seams._save_calls import loaded_locally, saved_once
 from keras_dist._seams._trainer import (
     BATCH_HOOKS,
     _batch_hook,
@@ -175,6 +177,13 @@ SAVE_FUNCTIONS = (
     ("keras.saving", "save_model", False, "keras.saving.save_model"),
     ("keras.models", "save_model", False, "keras.models.save_model"),
     ("keras.saving", "save_weights", True, "keras.saving.save_weights"),
+)
+# Keras's load functions: (module, name, whether the model comes first).
+LOAD_FUNCTIONS = (
+    ("keras", "Model.load_weights", True),
+    ("keras.saving", "load_weights", True),
+    ("keras.saving", "load_model", False),
+    ("keras.models", "load_model", False),
 )
 _TRAINER = "keras.src.backend.jax.trainer"
 _CORE = "keras.src.backend.jax.core"
@@ -265,6 +274,11 @@ _SEAMS: tuple = (
     *(
         (module, name, saved_once(weights_only=weights_only, method=method))
         for module, name, weights_only, method in SAVE_FUNCTIONS
+    ),
+    # Public: loading a bucket's file (from a local copy, under a strategy).
+    *(
+        (module, name, loaded_locally(takes_model=takes_model))
+        for module, name, takes_model in LOAD_FUNCTIONS
     ),
 )
 

@@ -1,22 +1,37 @@
-"""Seam 13: a model saved by every process is written once, by the chief.
+"""Seam 13: a model saved by every process is written once, by the chief;
+a bucket's file is written and read whole.
 
 `Model.save`, `Model.save_weights`, `keras.saving.save_model` (also
 `keras.models.save_model`) and `keras.saving.save_weights`, called on a
-model of a keras_dist strategy whose mesh spans processes, go to the save
-pipeline's `_checkpoint/keras_files.save_once`: every process takes part,
-the chief writes one complete file, every process returns when it is
-complete. Anywhere else they are Keras's own.
+model of a keras_dist strategy whose mesh spans processes, or with a
+`gs://`/`s3://` path, go to the save pipeline's
+`_checkpoint/keras_files.save_once`: every process takes part, the chief
+writes one complete file (on a bucket: a local file uploaded whole), every
+process returns when it is complete. `Model.load_weights`,
+`keras.saving.load_weights` and `keras.saving.load_model` (also
+`keras.models.load_model`) under a keras_dist strategy read a `gs://`/`s3://`
+file from a local copy, downloaded whole. Anywhere else they are Keras's own
+(whose only remote route is TensorFlow's gfile).
 """
 
 import functools
 import inspect
 from collections.abc import Callable
 
+import keras
+
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.keras_files import save_once
 from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._model import _strategy_for
+from keras_dist._seams._trainer import current_strategy
 
-__all__ = ["saved_once"]
+__all__ = ["loaded_locally", "saved_once"]
+
+
+def _on_a_bucket(filepath) -> bool:
+    """Whether `filepath` is a URL keras_dist writes (`gs://`, `s3://`)."""
+    return isinstance(filepath, str) and storage.scheme(filepath) in storage.SERVED_BY
 
 
 def saved_once(*, weights_only: bool, method: str) -> Callable:
@@ -29,11 +44,15 @@ def saved_once(*, weights_only: bool, method: str) -> Callable:
         @functools.wraps(original)
         def wrapper(model, *args, **kwargs):
             strategy = _strategy_for(model)
-            if strategy is None or not strategy.spans_processes:
+            if strategy is None:
                 return original(model, *args, **kwargs)
             bound = signature.bind(model, *args, **kwargs)
             arguments = bound.arguments
             filepath = arguments["filepath"]
+            if not (strategy.spans_processes or _on_a_bucket(filepath)):
+                return original(model, *args, **kwargs)
+            if _on_a_bucket(filepath):
+                filepath = storage.check(filepath, argument="filepath")
 
             def save(path: str) -> None:
                 arguments["filepath"] = path
@@ -54,6 +73,40 @@ def saved_once(*, weights_only: bool, method: str) -> Callable:
                 overwrite=bool(arguments.get("overwrite", True)),
                 snapshot_format=snapshot_format,
             )
+
+        marked(wrapper, original)
+        return wrapper
+
+    return wrap
+
+
+def loaded_locally(*, takes_model: bool) -> Callable:
+    """The wrap of one of Keras's load functions (`takes_model`: the model
+    first, the path second; else the path first): a bucket's file read
+    from a local copy under a keras_dist strategy."""
+
+    def wrap(original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            filepath = bound.arguments.get("filepath")
+            if filepath is None or not _on_a_bucket(filepath):
+                return original(*args, **kwargs)
+            if takes_model:
+                model = bound.arguments[next(iter(signature.parameters))]
+                strategy = _strategy_for(model)
+            elif keras.distribution.distribution() is not None:
+                strategy = current_strategy()
+            else:
+                strategy = None
+            if strategy is None:
+                return original(*args, **kwargs)
+            url = storage.check(filepath, argument="filepath")
+            with storage.download(url) as local:
+                bound.arguments["filepath"] = local
+                return original(*bound.args, **bound.kwargs)
 
         marked(wrapper, original)
         return wrapper

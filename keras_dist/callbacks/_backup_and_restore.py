@@ -6,6 +6,7 @@ import shutil
 import jax
 import keras
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves, check_writable_dir
 from keras_dist._checks import check_int
 from keras_dist._private_api import _access
@@ -119,7 +120,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 save_freq, name="save_freq", meaning=' (steps) or "epoch"'
             )
         self.backup_dir = check_writable_dir(
-            os.fspath(backup_dir), argument="backup_dir"
+            os.fspath(backup_dir), argument="backup_dir", orbax=True
         )
         self.save_freq = save_freq
         self.local_save_freq = check_int(
@@ -128,7 +129,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.local_dir = None
         if local_dir is not None:
             self.local_dir = check_writable_dir(
-                os.fspath(local_dir), argument="local_dir"
+                os.fspath(local_dir), argument="local_dir", local=True
             )
             if self.local_dir == self.backup_dir:
                 raise ValueError(
@@ -249,9 +250,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         if (
             self.delete_checkpoint
             and jax.process_index() == 0
-            and os.path.isdir(self.backup_dir)
+            and storage.isdir(self.backup_dir)
         ):
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            storage.rmtree(self.backup_dir)
         if self.delete_checkpoint and self.local_dir is not None:  # Every host.
             shutil.rmtree(
                 os.path.join(self.local_dir, f"process_{jax.process_index()}"),

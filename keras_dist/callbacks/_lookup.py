@@ -7,6 +7,7 @@ import warnings
 
 import keras
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.keras_files import SUFFIXES
 from keras_dist._checkpoint.orbax_store import committed_steps, restore
 from keras_dist._checkpoint.pipeline import STATE_FILE
@@ -17,11 +18,10 @@ __all__ = ["latest_checkpoint", "load_checkpoint"]
 def _indexed_latest(state_path: str) -> str | None:
     """The `latest` entry of a `checkpoint` index; None (with a warning if the
     file exists but cannot be read) otherwise."""
-    if not os.path.exists(state_path):
+    if not storage.exists(state_path):
         return None
     try:
-        with open(state_path) as f:
-            latest = json.load(f).get("latest")
+        latest = json.loads(storage.read_text(state_path)).get("latest")
         if latest is not None and not isinstance(latest, str):
             raise ValueError(f'"latest" is {latest!r}, not a file name')
     except (OSError, ValueError, AttributeError) as error:
@@ -60,16 +60,16 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
     model.load_weights(path)
     ```
     """
-    directory = os.fspath(directory)
+    directory = storage.served(directory, argument="directory")
     if committed_steps(directory):
         # `ModelCheckpoint(sharded=True)` or keras.callbacks.OrbaxCheckpoint:
         # Keras's loaders take the directory and read its newest step (they
         # do not recognise a step's own directory).
         return directory
-    state_path = os.path.join(directory, STATE_FILE)
+    state_path = storage.join(directory, STATE_FILE)
     latest = _indexed_latest(state_path)
-    if latest and os.path.exists(os.path.join(directory, latest)):
-        return os.path.join(directory, latest)
+    if latest and storage.exists(storage.join(directory, latest)):
+        return storage.join(directory, latest)
     candidates = checkpoint_files(directory)
     return candidates[-1] if candidates else None
 
@@ -77,14 +77,12 @@ def latest_checkpoint(directory: "str | os.PathLike") -> str | None:
 def checkpoint_files(directory: str) -> list[str]:
     """The checkpoint files of `directory`, oldest first (by modification
     time), without the temporary files of interrupted writes."""
-    if not os.path.isdir(directory):
-        return []
     paths = [
-        os.path.join(directory, name)
-        for name in os.listdir(directory)
+        storage.join(directory, name)
+        for name in storage.listdir(directory)
         if name.endswith(SUFFIXES) and not name.startswith(".tmp-")
     ]
-    return sorted(paths, key=lambda p: (os.path.getmtime(p), p))
+    return sorted(paths, key=lambda p: (storage.mtime(p), p))
 
 
 def load_checkpoint(model: keras.Model, path: "str | os.PathLike") -> None:
@@ -110,13 +108,14 @@ def load_checkpoint(model: keras.Model, path: "str | os.PathLike") -> None:
         ValueError: the checkpoint does not fit the model.
         FileNotFoundError: `path` does not exist.
     """
-    path = os.fspath(path)
-    if not os.path.exists(path):
+    path = storage.served(path, argument="path")
+    if not storage.exists(path):
         raise FileNotFoundError(
             f"`path` must name a checkpoint file or directory. Received: "
             f"path={path!r}, which does not exist."
         )
-    if os.path.isdir(path):
+    if storage.isdir(path):
         restore(model, path)
     else:
-        model.load_weights(path)
+        with storage.download(path) as local:
+            model.load_weights(local)

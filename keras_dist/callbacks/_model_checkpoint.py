@@ -10,6 +10,7 @@ import jax
 import keras
 from jax.experimental import multihost_utils
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.keras_files import save_once, written_everywhere
 from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS
 from keras_dist._checkpoint.pipeline import (
@@ -115,7 +116,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
         sharded: bool = False,
         **kwargs: Any,
     ) -> None:
-        filepath = os.fspath(filepath)
+        filepath = storage.served(filepath, argument="filepath")
         weights_only = kwargs.get("save_weights_only", False)
         for name, flag in (("async_save", async_save), ("sharded", sharded)):
             if not isinstance(flag, bool):
@@ -149,8 +150,9 @@ class ModelCheckpoint(ModelCheckpointHooks):
         self.async_save = async_save
         self.sharded = sharded
         self.directory = check_writable_dir(
-            filepath if sharded else (os.path.dirname(filepath) or "."),
+            filepath if sharded else (storage.dirname(filepath) or "."),
             argument="filepath",
+            orbax=sharded,
         )
         # The save route: Keras's files, or (sharded) Orbax's, opened by `fit`.
         self._saves: KerasFileSaves | OrbaxSaves | None = None
@@ -313,7 +315,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
         if not isinstance(self._saves, KerasFileSaves):  # Made by __init__.
             raise RuntimeError("ModelCheckpoint lost its file saves: make a new one.")
         chief = _is_chief()
-        if chief and os.path.isdir(filepath):
+        if chief and storage.isdir(filepath):
             raise IsADirectoryError(
                 f"ModelCheckpoint cannot write to {filepath!r}: it is a directory. "
                 "Give `filepath` a file name, e.g. 'ckpts/ckpt_{epoch}.weights.h5'."

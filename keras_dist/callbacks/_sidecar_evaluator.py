@@ -10,6 +10,7 @@ from typing import Any
 
 import keras
 
+from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.keras_files import atomic_write, atomic_write_json
 from keras_dist._checkpoint.pipeline import STATE_FILE
 from keras_dist._checks import check_int
@@ -53,10 +54,9 @@ class CheckpointWatch:
         found = []
         for checkpoint in self._listed():
             try:
-                stat = os.stat(checkpoint.path)
+                key = (checkpoint.path, *storage.signature(checkpoint.path))
             except FileNotFoundError:  # Deleted by `max_to_keep` meanwhile.
                 continue
-            key = (checkpoint.path, stat.st_size, stat.st_mtime_ns)
             if key not in self._seen:
                 self._seen.add(key)
                 found.append(checkpoint)
@@ -64,8 +64,9 @@ class CheckpointWatch:
 
     def _index(self) -> dict:
         try:
-            with open(os.path.join(self.directory, STATE_FILE)) as f:
-                index = json.load(f)
+            index = json.loads(
+                storage.read_text(storage.join(self.directory, STATE_FILE))
+            )
         except (OSError, ValueError):  # Absent, or being replaced: none yet.
             return {}
         return index if isinstance(index, dict) else {}
@@ -76,7 +77,7 @@ class CheckpointWatch:
         if isinstance(names, list) and names:
             epochs = index.get("epochs") or {}
             return [
-                Checkpoint(os.path.join(self.directory, name), epochs.get(name))
+                Checkpoint(storage.join(self.directory, name), epochs.get(name))
                 for name in names
                 if isinstance(name, str)
             ]
@@ -181,7 +182,7 @@ class SidecarEvaluator:
         _check_seconds("poll_interval", poll_interval)
         self.model = model
         self.data = data
-        self.checkpoint_dir = os.path.abspath(os.fspath(checkpoint_dir))
+        self.checkpoint_dir = storage.check(checkpoint_dir, argument="checkpoint_dir")
         self.steps = steps
         self.max_evaluations = max_evaluations
         self.callbacks = keras.callbacks.CallbackList(
@@ -190,8 +191,10 @@ class SidecarEvaluator:
         self.monitor = monitor
         self.mode = _resolve_mode(mode, monitor)
         if best_dir == "default":
-            best_dir = os.path.join(self.checkpoint_dir, "best")
-        self.best_dir = None if best_dir is None else os.fspath(best_dir)
+            best_dir = storage.join(self.checkpoint_dir, "best")
+        self.best_dir = (
+            None if best_dir is None else storage.served(best_dir, argument="best_dir")
+        )
         self.idle_timeout = float(idle_timeout)
         self.poll_interval = float(poll_interval)
         self.history: list[dict] = []
@@ -254,12 +257,16 @@ class SidecarEvaluator:
         )
 
     def _evaluate(self, checkpoint: Checkpoint) -> None:
-        if not os.path.exists(checkpoint.path):  # Deleted by `max_to_keep`.
+        if not storage.exists(checkpoint.path):  # Deleted by `max_to_keep`.
             return
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)  # Loads its state too.
-        self.model.load_weights(checkpoint.path)
+        try:
+            with storage.download(checkpoint.path) as local:
+                self.model.load_weights(local)
+        except FileNotFoundError:  # Deleted by `max_to_keep` meanwhile.
+            return
         epoch = len(self.history) if checkpoint.epoch is None else checkpoint.epoch
         self.callbacks.on_epoch_begin(epoch)
         x, y, sample_weight = self.data, None, None
@@ -278,7 +285,7 @@ class SidecarEvaluator:
         record = {"checkpoint": checkpoint.path, "epoch": epoch, "metrics": metrics}
         self.history.append(record)
         print(
-            f"SidecarEvaluator: {os.path.basename(checkpoint.path)} (epoch "
+            f"SidecarEvaluator: {storage.basename(checkpoint.path)} (epoch "
             f"{epoch}): " + ", ".join(f"{k}={v:.6g}" for k, v in metrics.items()),
             flush=True,
         )
@@ -302,11 +309,12 @@ class SidecarEvaluator:
         if self.best_dir is None:
             return
         suffix = ".keras" if checkpoint.path.endswith(".keras") else ".weights.h5"
-        copy = os.path.join(self.best_dir, "best" + suffix)
-        atomic_write(copy, lambda p: shutil.copyfile(checkpoint.path, p))
+        copy = storage.join(self.best_dir, "best" + suffix)
+        with storage.download(checkpoint.path) as local:
+            atomic_write(copy, lambda p: shutil.copyfile(local, p))
         value = record["metrics"][self.monitor]
         summary = {**record, "monitor": self.monitor, "value": value}
-        atomic_write_json(os.path.join(self.best_dir, "best.json"), summary)
+        atomic_write_json(storage.join(self.best_dir, "best.json"), summary)
 
 
 def _check_seconds(name: str, value: Any) -> None:

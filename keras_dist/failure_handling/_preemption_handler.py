@@ -104,11 +104,13 @@ def _manager(
                 "`PreemptionCheckpointHandler(None, model, '/tmp/ckpt')`."
             )
         directory = check_writable_dir(
-            os.fspath(checkpoint_dir), argument="checkpoint_dir"
+            os.fspath(checkpoint_dir), argument="checkpoint_dir", orbax=True
         )
         local = None
         if local_dir is not None:
-            local = check_writable_dir(os.fspath(local_dir), argument="local_dir")
+            local = check_writable_dir(
+                os.fspath(local_dir), argument="local_dir", local=True
+            )
         return _ModelState(checkpoint_or_manager, directory, local)
     if callable(getattr(checkpoint_or_manager, "save", None)) and callable(
         getattr(checkpoint_or_manager, "restore", None)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import keras_dist as kd
-from tests import _helpers
+from tests import _helpers, _storage
 
 SCRIPT = pathlib.Path(__file__).with_name("resume_script.py")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -112,6 +112,22 @@ def test_sigkill_then_a_restart_past_a_torn_backup_is_exact(reference, tmp_path)
     assert "resuming at epoch 3, step 0" in resumed.stdout
     _assert_same(reference, tmp_path / "out", 2)
     assert not backup.exists()
+
+
+def test_sigkill_then_a_restart_from_a_bucket_is_exact(reference, tmp_path):
+    """The backup on `gs://` (a real fake-gcs-server, `tests/_storage.py`):
+    SIGKILLed after step 10 (backups every step), the restart resumes from
+    the bucket and ends bit for bit as an uninterrupted run; nothing is
+    left in the bucket (`delete_checkpoint=True`)."""
+    backup = f"{_storage.bucket('gs')}/backup"
+    killed = _run(tmp_path / "out", KD_BACKUP=backup, KD_KILL_AT=10, KD_SIGNAL="KILL")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert {p.split("/")[0] for p in _storage.listing(backup)} == {"9", "10"}
+    resumed = _run(tmp_path / "out", KD_BACKUP=backup)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at epoch 2, step 3" in resumed.stdout
+    _assert_same(reference, tmp_path / "out", 3)
+    assert _storage.listing(backup) == []
 
 
 def test_resume_on_another_number_of_replicas(reference, tmp_path):
