@@ -10,10 +10,13 @@ import sys
 CLUSTER = pathlib.Path(__file__).parent / "cluster"
 
 
-def by_hand(script, env=None, timeout=120) -> list[tuple[int, str, str]]:
-    """2 processes of `script`, one CPU device each, started as a scheduler
-    starts them (each its TF_CONFIG, no launcher): each one's (status,
-    stdout, stderr); none outlives the call."""
+def by_hand(
+    script, env=None, timeout=120, args=(), prefix=()
+) -> list[tuple[int, str, str]]:
+    """2 processes of `script` (with `args`), one CPU device each, started
+    as a scheduler starts them (each its TF_CONFIG, no launcher), each
+    command after `prefix`: each one's (status, stdout, stderr); none
+    outlives the call."""
     from keras_dist.launch import free_port
 
     workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
@@ -37,7 +40,7 @@ def by_hand(script, env=None, timeout=120) -> list[tuple[int, str, str]]:
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, str(script)],
+                [*prefix, sys.executable, str(script), *map(str, args)],
                 env=environ,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

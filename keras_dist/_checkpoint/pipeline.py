@@ -21,6 +21,7 @@ import datetime
 import functools
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -35,8 +36,8 @@ from keras_dist._checkpoint.orbax_store import (
     keep_policy,
     preserved,
 )
-from keras_dist.cluster import _heartbeat
-from keras_dist.errors import CheckpointWriteError
+from keras_dist.cluster import _heartbeat, _sync
+from keras_dist.errors import CheckpointWriteError, ProcessMismatchError
 
 __all__ = [
     "STATE_FILE",
@@ -44,6 +45,7 @@ __all__ = [
     "LocalSaves",
     "OrbaxSaves",
     "Writer",
+    "check_shared",
     "check_writable_dir",
 ]
 
@@ -201,6 +203,71 @@ def check_writable_dir(
             f"{directory}). Pick a directory you can write to."
         ) from error
     return directory
+
+
+# How long a process looks for the chief's token (a network file system may
+# show a new file to other hosts a moment later).
+SHARED_WAIT_S = 5.0
+
+
+def check_shared(directory: str, *, argument: str, owner: str) -> None:
+    """Every process sees the same `directory`, or every process raises.
+
+    Where every process reads and writes one folder (Orbax's backups and
+    sharded checkpoints: its primary host makes a step's folder, the others
+    wait to see it), a folder on each host's own disk would hang the first
+    save. The chief writes a token there, every process looks for it (up to
+    `SHARED_WAIT_S`), and the processes agree through the coordination
+    service: within seconds, the same error on every process, naming the
+    processes that do not see it. One process: nothing to check.
+
+    Raises:
+        ProcessMismatchError: a process does not see the chief's token.
+    """
+    if not _sync.multi_process():
+        return
+    chief = jax.process_index() == 0
+    token = _sync.broadcast_from_chief(
+        "shared-storage", uuid.uuid4().hex if chief else None
+    )
+    path = storage.join(directory, f".keras_dist-shared-{token}")
+    error = None
+    if chief:
+        try:
+            if storage.is_remote(path):
+                storage.write_whole(path, _write_probe, "token")
+            else:
+                _write_probe(path)
+        except OSError as failure:
+            error = f"{type(failure).__name__}: {failure}"
+    written = _sync.allgather("shared-storage", error)[0]
+    if written is not None:
+        raise CheckpointWriteError(
+            f"{owner}: the chief (process 0) could not write to `{argument}` "
+            f"{directory!r} ({written})."
+        )
+    deadline = time.monotonic() + SHARED_WAIT_S
+    seen = storage.exists(path)
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.1)
+        seen = storage.exists(path)
+    everyone = _sync.allgather(
+        "shared-storage", {"seen": seen, "host": socket.gethostname()}
+    )
+    if chief:
+        storage.remove(path)
+    blind = [p for p, view in enumerate(everyone) if not view["seen"]]
+    if blind:
+        named = ", ".join(f"process {p} (host {everyone[p]['host']})" for p in blind)
+        raise ProcessMismatchError(
+            f"{owner}: `{argument}` must be one folder every process sees, but "
+            f"{named} {'does' if len(blind) == 1 else 'do'} not see the file "
+            f"process 0 (host {everyone[0]['host']}) wrote in {directory!r} "
+            f"within {SHARED_WAIT_S:g} s: the path is on storage each host has "
+            f"to itself. Put `{argument}` on storage every host mounts (NFS, a "
+            "bucket such as gs://...), or keep each host's own disk for "
+            "`local_dir` (BackupAndRestore's local tier)."
+        )
 
 
 def _write_probe(path: str) -> None:

@@ -7,7 +7,12 @@ import jax
 import keras
 
 from keras_dist._checkpoint import storage
-from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves, check_writable_dir
+from keras_dist._checkpoint.pipeline import (
+    LocalSaves,
+    OrbaxSaves,
+    check_shared,
+    check_writable_dir,
+)
 from keras_dist._checks import check_int
 from keras_dist._private_api import _access
 from keras_dist._private_api._access import step_counter
@@ -145,6 +150,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._step_end = StepEnd()
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        # Before Orbax's first save, which would wait for a folder another
+        # host made on its own disk.
+        check_shared(self.backup_dir, argument="backup_dir", owner="BackupAndRestore")
         store = self._store = OrbaxSaves(
             self.backup_dir,
             owner="BackupAndRestore",

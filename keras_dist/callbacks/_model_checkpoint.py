@@ -16,6 +16,7 @@ from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS
 from keras_dist._checkpoint.pipeline import (
     KerasFileSaves,
     OrbaxSaves,
+    check_shared,
     check_writable_dir,
 )
 from keras_dist._checks import check_int
@@ -183,6 +184,7 @@ class ModelCheckpoint(ModelCheckpointHooks):
             )
             self._saves.write_index(done=False, chief=_is_chief())
         else:
+            check_shared(self.directory, argument="filepath", owner="ModelCheckpoint")
             self._saves = OrbaxSaves(
                 self.directory,
                 owner="ModelCheckpoint",

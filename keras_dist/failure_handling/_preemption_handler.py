@@ -8,7 +8,12 @@ from typing import Any, Protocol
 import keras
 
 from keras_dist._checkpoint.orbax_store import GROUPS
-from keras_dist._checkpoint.pipeline import LocalSaves, OrbaxSaves, check_writable_dir
+from keras_dist._checkpoint.pipeline import (
+    LocalSaves,
+    OrbaxSaves,
+    check_shared,
+    check_writable_dir,
+)
 from keras_dist._checks import check_int
 from keras_dist.callbacks._chief import is_chief
 from keras_dist.cluster import _heartbeat, _sync
@@ -48,6 +53,9 @@ class _ModelState:
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
+        check_shared(
+            directory, argument="checkpoint_dir", owner="PreemptionCheckpointHandler"
+        )
         # Synchronous: it saves right before the process exits, which must
         # wait for the files anyway (with a grace period, its first save
         # waits too: a few runs of training are not worth a second road).

@@ -1,0 +1,54 @@
+"""One process of a 2-process run (started by hand, TF_CONFIG) that backs
+up and checkpoints where the test says.
+
+    storage_script.py WORKDIR BACKUP_DIR CHECKPOINT_DIR
+
+3 epochs of `_helpers.make_data(40)` (batch 8) under
+`MultiWorkerMirroredStrategy` with `BackupAndRestore(BACKUP_DIR)` and
+`ModelCheckpoint(CHECKPOINT_DIR/ckpt_{epoch}.weights.h5)`; writes
+`WORKDIR/weights_<rank>.json`, or on an error `WORKDIR/error_<rank>.json`
+(its type, message and the seconds `fit` took to raise it) and exits 3.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py
+import keras_dist as kd  # noqa: E402
+
+strategy = kd.MultiWorkerMirroredStrategy(
+    communication_options=kd.CommunicationOptions(timeout_seconds=90)
+)
+
+import jax  # noqa: E402
+
+from tests._helpers import build_in_scope, initial_weights, make_data  # noqa: E402
+
+workdir, backup_dir, checkpoint_dir = sys.argv[1:4]
+rank = jax.process_index()
+x, y, _ = make_data(40)
+model = build_in_scope(strategy, initial_weights())
+callbacks = [
+    kd.callbacks.BackupAndRestore(backup_dir, delete_checkpoint=False),
+    kd.callbacks.ModelCheckpoint(
+        f"{checkpoint_dir}/ckpt_{{epoch}}.weights.h5", save_weights_only=True
+    ),
+]
+started = time.monotonic()
+try:
+    model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=callbacks)
+except Exception as error:
+    record = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "seconds": time.monotonic() - started,
+    }
+    pathlib.Path(workdir, f"error_{rank}.json").write_text(json.dumps(record))
+    os._exit(3)
+weights = [w.tolist() for w in model.get_weights()]
+pathlib.Path(workdir, f"weights_{rank}.json").write_text(json.dumps(weights))
