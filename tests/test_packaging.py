@@ -27,6 +27,7 @@ CORE = {
     "keras": "keras",
     "jax": "jax",
     "orbax-checkpoint": "orbax.checkpoint",  # The checkpoint callbacks.
+    "etils": "etils.epath",  # Their path layer (`_checkpoint/storage.py`).
     "numpy": "numpy",
     "python-hostlist": "hostlist",
 }
@@ -102,6 +103,7 @@ def test_core_requirements_are_what_keras_dist_imports(built):
     assert "tensorflow_datasets" not in loaded and "optax" not in loaded
     sources = "".join(p.read_text() for p in (ROOT / "keras_dist").rglob("*.py"))
     assert "import orbax.checkpoint" in sources
+    assert "from etils.epath import" in sources
 
 
 def test_the_sdist_holds_the_package_not_the_repository_tests(built):

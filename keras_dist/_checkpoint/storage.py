@@ -98,8 +98,8 @@ def check(path: "str | os.PathLike", *, argument: str, orbax: bool = False) -> s
         raise ValueError(
             f"`{argument}` names `{kind}://` storage, served by the `{package}` "
             f"package, which is not installed. Received: {argument}={text!r}. "
-            f'Install it: `pip install "keras-dist[{extra}]"` (or `pip install '
-            f"{package}`)."
+            f"Install it: `pip install {package}` (keras_dist's `{extra}` extra: "
+            f'`pip install -e ".[{extra}]"` in a checkout).'
         )
     return text
 

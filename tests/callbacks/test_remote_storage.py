@@ -213,7 +213,7 @@ def test_urls_it_does_not_write_are_refused_at_construction(tmp_path, monkeypatc
     with pytest.raises(
         ValueError,
         match=r"served by the `s3fs` package, which is "
-        r"not installed.*keras-dist\[s3\]",
+        r"not installed.*`pip install s3fs`",
     ):
         kd.callbacks.ModelCheckpoint("s3://b/ckpt.weights.h5", save_weights_only=True)
     assert os.listdir(tmp_path) == []
@@ -229,3 +229,20 @@ def test_a_bucket_that_does_not_exist_is_refused_before_training(workdir):
         kd.callbacks.ModelCheckpoint(
             "gs://kd-no-such-bucket/ckpt.weights.h5", save_weights_only=True
         )
+
+
+def test_the_checkpoints_guide_example_writes_to_a_bucket(workdir, capsys):
+    """The "Where checkpoints go" block, its bucket the emulator's."""
+    from tests._docs import ROOT, python_blocks
+
+    guide = ROOT / "docs" / "guides" / "checkpoints.md"
+    block = next(b for b in python_blocks(guide) if "gs://my-bucket" in b)
+    root = _storage.bucket("gs")
+    exec(block.replace("gs://my-bucket", root), {})
+    assert capsys.readouterr().out.strip() == f"{root}/run1/ckpt_3.weights.h5"
+    assert _storage.listing(root) == [
+        "run1/checkpoint",
+        "run1/ckpt_2.weights.h5",
+        "run1/ckpt_3.weights.h5",
+        "run1/final.keras",
+    ]
