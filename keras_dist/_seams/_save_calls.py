@@ -15,6 +15,7 @@ file from a local copy, downloaded whole. Anywhere else they are Keras's own
 """
 
 import functools
+import importlib.util
 import inspect
 from collections.abc import Callable
 
@@ -30,8 +31,13 @@ __all__ = ["loaded_locally", "saved_once"]
 
 
 def _on_a_bucket(filepath) -> bool:
-    """Whether `filepath` is a URL keras_dist writes (`gs://`, `s3://`)."""
-    return isinstance(filepath, str) and storage.scheme(filepath) in storage.SERVED_BY
+    """Whether `filepath` is a URL keras_dist writes (`gs://`, `s3://`) with
+    its client installed (without it, Keras's own route: TensorFlow's gfile,
+    where TensorFlow is installed)."""
+    if not isinstance(filepath, str):
+        return False
+    served = storage.SERVED_BY.get(storage.scheme(filepath) or "")
+    return served is not None and importlib.util.find_spec(served[0]) is not None
 
 
 def saved_once(*, weights_only: bool, method: str) -> Callable:

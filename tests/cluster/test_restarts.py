@@ -53,7 +53,11 @@ def _assert_restarted_and_exact(result, tmp_path, reference, cause: str) -> None
         assert_weights_close(reference, weights)
 
 
-@pytest.mark.parametrize("rank", [0, 1], ids=["chief", "worker"])
+# The chief killed: the worker survives and waits in a collective. A killed
+# worker (the chief survives) is named, stops the group and resumes exactly
+# in test_faults.py's first test; the launcher's restart does not depend on
+# the rank it lost.
+@pytest.mark.parametrize("rank", [0], ids=["chief"])
 def test_a_killed_process_is_restarted_and_the_run_finishes_exactly(
     tmp_path, reference, rank
 ):

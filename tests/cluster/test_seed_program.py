@@ -1,7 +1,8 @@
 """The seeds' Keras program (`examples/keras_tutorial.py`) on
 `kd.MultiWorkerMirroredStrategy()`, the strategy line the only change.
 
-2 processes x 2 devices and 2 x 1 (one device a process): Keras's own
+2 processes x 2 devices (the same strategy at one device a process, 2 x
+1: tests/cluster/test_multi_worker.py and the examples' runs): Keras's own
 `TensorBoard`, keras_dist's `ModelCheckpoint`, `LearningRateScheduler` and
 `PrintLR`, then `load_weights(latest_checkpoint)`, `model.save` and
 `load_model` on every process. With Keras's own `BackupAndRestore` added, a
@@ -77,12 +78,6 @@ def _assert_it_ran(result, workdir, *, devices: int) -> None:
     names = sorted(os.listdir(workdir / "training_checkpoints"))
     assert names == sorted(["checkpoint", *files])
     assert (workdir / "my_model.keras").is_file()
-
-
-def test_the_seed_program_runs_on_one_device_a_process(tmp_path):
-    """2 x 1 here; 2 x 2 in the test below (its uninterrupted run)."""
-    result = run(program(tmp_path), tmp_path / "run", devices=1)
-    _assert_it_ran(result, tmp_path / "run", devices=1)
 
 
 def test_a_killed_run_resumes_from_keras_backup_and_restore(tmp_path):
