@@ -59,6 +59,11 @@ CHECKED_ELSEWHERE = {
         "TPUStrategy(resolver)",
         "strategies/test_tpu.py::test_tpu_guide_example_falls_back_without_a_tpu",
     ),
+    ("guides/checkpoints.md", 1): (
+        "gs://my-bucket",
+        "callbacks/test_remote_storage.py::"
+        "test_the_checkpoints_guide_example_writes_to_a_bucket (on an emulator)",
+    ),
     ("guides/failures.md", 0): (
         "local_dir=",
         "test_docs.py::test_failures_guide_local_tier_example_makes_the_callback",
