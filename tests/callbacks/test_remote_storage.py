@@ -9,7 +9,6 @@ bucket: `test_backup_and_restore.py`; 2 processes on a bucket:
 `tests/cluster/test_saving_multi_process.py`.
 """
 
-import glob
 import json
 import os
 import sys
@@ -36,13 +35,16 @@ SCHEMES = ["gs", "s3"]
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     """The test's working directory; after it, nothing there (no `gs:` or
-    `s3:` folder) and no upload or download scratch left in the temp dir."""
-    monkeypatch.chdir(tmp_path)
-    scratch = os.path.join(tempfile.gettempdir(), "keras_dist-[ud][po]*load-*")
-    before = set(glob.glob(scratch))
-    yield tmp_path
-    assert sorted(os.listdir(tmp_path)) == []
-    assert set(glob.glob(scratch)) - before == set()
+    `s3:` folder), and nothing left of the uploads' and downloads' local
+    files in the temporary directory (this test's own)."""
+    work, scratch = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    scratch.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    yield work
+    assert sorted(os.listdir(work)) == []
+    assert sorted(os.listdir(scratch)) == []
 
 
 def _fit(strategy, callbacks, epochs=3) -> keras.Model:
