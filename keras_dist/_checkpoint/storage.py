@@ -34,9 +34,7 @@ __all__ = [
     "isdir",
     "join",
     "listdir",
-    "makedirs",
     "mtime",
-    "put",
     "read_text",
     "remove",
     "rmtree",
@@ -176,12 +174,6 @@ def signature(path: str) -> tuple:
     return (info.get("size"), str(info.get("mtime") or info.get("updated")), version)
 
 
-def makedirs(path: str) -> None:
-    """A folder; on a bucket nothing (a folder is a name's prefix)."""
-    if not is_remote(path):
-        os.makedirs(path, exist_ok=True)
-
-
 def remove(path: str) -> None:
     """Deletes file `path`; nothing if it is gone."""
     with contextlib.suppress(FileNotFoundError):
@@ -202,7 +194,7 @@ def read_text(path: str) -> str:
         return f.read()
 
 
-def put(local: str, path: str) -> None:
+def _put(local: str, path: str) -> None:
     """Uploads local file `local` as object `path`, whole (one object: a
     reader sees the previous one or this one)."""
     with open(local, "rb") as source, _backends.fsspec_backend.open(path, "wb") as out:
@@ -234,6 +226,6 @@ def write_whole(path: str, write: Callable[[str], object], name: str) -> None:
     try:
         local = os.path.join(scratch, name)
         write(local)
-        put(local, path)
+        _put(local, path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
