@@ -37,6 +37,10 @@ def is_initialized() -> bool:
     return bool(_STATE.get("joined")) or jax.process_count() > 1
 
 
+# How long a failing process 0 waits for its peers to end first.
+_PEERS_GRACE_S = 10.0
+
+
 def _exit_fast_on_errors() -> None:
     """An uncaught exception ends the process at once: status 1, or
     `RESTART_EXIT_CODE` (75) when it is the loss of a peer.
@@ -49,6 +53,12 @@ def _exit_fast_on_errors() -> None:
     (killed, its host gone) or stopped answering exits 75: nothing wrong
     with its own program, the group must restart; a scheduler's rules can
     retry 75 and fail the job on 1 (docs/guides/failures.md).
+
+    Process 0, whose failure is its own (not a lost peer), first waits up to
+    `_PEERS_GRACE_S` for its peers to end: it hosts JAX's coordination
+    service, whose end aborts them, and an error the processes agreed on
+    (`ProcessMismatchError`) is being raised on each of them too; a peer
+    that is not failing learns at its next exchange that process 0 failed.
     """
     previous = sys.excepthook
 
@@ -63,6 +73,8 @@ def _exit_fast_on_errors() -> None:
         _sync.mark_exit("failed")
         sys.stdout.flush()
         sys.stderr.flush()
+        if not lost and jax.process_index() == 0:
+            _sync.wait_for_exits(_PEERS_GRACE_S)
         os._exit(RESTART_EXIT_CODE if lost else 1)
 
     sys.excepthook = hook

@@ -31,6 +31,7 @@ __all__ = [
     "channel",
     "mark_exit",
     "multi_process",
+    "wait_for_exits",
     "set_timeout",
 ]
 
@@ -210,6 +211,33 @@ def mark_exit(how: str) -> None:
     if client is not None:
         with contextlib.suppress(Exception):
             client.key_value_set(f"keras_dist/exited/{jax.process_index()}", how)
+
+
+def wait_for_exits(seconds: float) -> list[int]:
+    """Waits up to `seconds` for every other process to `mark_exit`; returns
+    those that did not.
+
+    Process 0 hosts JAX's coordination service: when it ends, JAX aborts
+    every other process at its next poll (SIGABRT), perhaps before that
+    process has printed the error it was raising too (an error the
+    processes agreed on is raised on all of them at once). So process 0,
+    failing, lets its peers end first, for a bounded time.
+    """
+    if not multi_process():
+        return []
+    client = _jax_private.coordination_client()
+    if client is None:
+        return []
+    me = jax.process_index()
+    waiting = [p for p in range(jax.process_count()) if p != me]
+    deadline = time.monotonic() + seconds
+    while waiting and time.monotonic() < deadline:
+        waiting = [
+            p for p in waiting if _try_get(client, f"keras_dist/exited/{p}") is None
+        ]
+        if waiting:
+            time.sleep(0.05)
+    return waiting
 
 
 def broadcast_from_chief(name: str, value: Any, *, timeout: float | None = None):

@@ -1,17 +1,19 @@
 """One process of a 2-process run (started by hand, TF_CONFIG) that backs
 up and checkpoints where the test says.
 
-    storage_script.py WORKDIR BACKUP_DIR CHECKPOINT_DIR
+    storage_script.py WORKDIR BACKUP_DIR CHECKPOINT_DIR [LATE_S]
 
 3 epochs of `_helpers.make_data(40)` (batch 8) under
 `MultiWorkerMirroredStrategy` with `BackupAndRestore(BACKUP_DIR)` and
 `ModelCheckpoint(CHECKPOINT_DIR/ckpt_{epoch}.weights.h5)`; writes
 `WORKDIR/weights_<rank>.json`, or on an error `WORKDIR/error_<rank>.json`
-(its type, message and the seconds `fit` took to raise it) and exits 3.
+(its type, message and the seconds `fit` took to raise it) and raises it
+on (keras_dist's exit hook then ends the process with status 1, process 0
+after its peers). With LATE_S, process 1 records and raises its error
+LATE_S seconds after process 0 (the order a loaded machine may give).
 """
 
 import json
-import os
 import pathlib
 import sys
 import time
@@ -30,6 +32,7 @@ import jax  # noqa: E402
 from tests._helpers import build_in_scope, initial_weights, make_data  # noqa: E402
 
 workdir, backup_dir, checkpoint_dir = sys.argv[1:4]
+late_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 rank = jax.process_index()
 x, y, _ = make_data(40)
 model = build_in_scope(strategy, initial_weights())
@@ -48,7 +51,8 @@ except Exception as error:
         "message": str(error),
         "seconds": time.monotonic() - started,
     }
+    time.sleep(late_s * rank)
     pathlib.Path(workdir, f"error_{rank}.json").write_text(json.dumps(record))
-    os._exit(3)
+    raise
 weights = [w.tolist() for w in model.get_weights()]
 pathlib.Path(workdir, f"weights_{rank}.json").write_text(json.dumps(weights))
