@@ -20,6 +20,7 @@ import posixpath
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import IO
 
 from etils.epath import backend as _backends
 
@@ -27,6 +28,7 @@ __all__ = [
     "SERVED_BY",
     "basename",
     "check",
+    "copy",
     "dirname",
     "download",
     "exists",
@@ -35,6 +37,7 @@ __all__ = [
     "join",
     "listdir",
     "mtime",
+    "open_file",
     "read_text",
     "remove",
     "rmtree",
@@ -187,6 +190,25 @@ def rmtree(path: str) -> None:
             _backends.fsspec_backend.rmtree(path)
     else:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def copy(source: str, destination: str) -> None:
+    """Copies file `source` to `destination` (replacing it): on one bucket,
+    the store's own copy; else downloaded whole and uploaded whole."""
+    if not is_remote(destination):
+        with download(source) as local:
+            shutil.copyfile(local, destination)
+    elif scheme(source) == scheme(destination):
+        _backends.fsspec_backend.fs(destination).copy(source, destination)
+    else:
+        with download(source) as local:
+            _put(local, destination)
+
+
+def open_file(path: str, mode: str = "r") -> IO:
+    """File `path` opened in `mode` (on a bucket, a file written is
+    uploaded whole when closed)."""
+    return _backend(path).open(_fresh(path) if "r" in mode else path, mode)
 
 
 def read_text(path: str) -> str:

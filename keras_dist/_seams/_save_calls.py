@@ -10,8 +10,14 @@ writes one complete file (on a bucket: a local file uploaded whole), every
 process returns when it is complete. `Model.load_weights`,
 `keras.saving.load_weights` and `keras.saving.load_model` (also
 `keras.models.load_model`) under a keras_dist strategy read a `gs://`/`s3://`
-file from a local copy, downloaded whole. Anywhere else they are Keras's own
-(whose only remote route is TensorFlow's gfile).
+file from a local copy, downloaded whole. The file functions Keras's own
+callbacks call on a path (`keras.src.utils.file_utils`: `exists`,
+`makedirs`, `File`, `copy`, `rmtree`, ...) take a `gs://`/`s3://` URL
+through keras_dist's path layer (`_checkpoint/storage.py`) under a
+keras_dist strategy, so `keras.callbacks.ModelCheckpoint` and
+`keras.callbacks.BackupAndRestore` write a bucket as
+`kd.callbacks`'s do. Anywhere else they are Keras's own (whose only
+remote route is TensorFlow's gfile).
 """
 
 import functools
@@ -27,7 +33,7 @@ from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._model import _strategy_for
 from keras_dist._seams._trainer import current_strategy
 
-__all__ = ["loaded_locally", "saved_once"]
+__all__ = ["loaded_locally", "on_the_bucket", "saved_once"]
 
 
 def _on_a_bucket(filepath) -> bool:
@@ -113,6 +119,38 @@ def loaded_locally(*, takes_model: bool) -> Callable:
             with storage.download(url) as local:
                 bound.arguments["filepath"] = local
                 return original(*bound.args, **bound.kwargs)
+
+        marked(wrapper, original)
+        return wrapper
+
+    return wrap
+
+
+# Keras's `file_utils` functions on a bucket, by name: the path layer's.
+_ON_THE_BUCKET: dict[str, Callable] = {
+    "exists": storage.exists,
+    "isdir": storage.isdir,
+    "makedirs": lambda path: None,  # A bucket has no folders to make.
+    "listdir": storage.listdir,
+    "remove": storage.remove,
+    "rmtree": storage.rmtree,
+    "copy": storage.copy,
+    "File": storage.open_file,
+    "join": storage.join,
+}
+
+
+def on_the_bucket(name: str) -> Callable:
+    """The wrap of Keras's `file_utils.<name>` (a path first): a bucket's
+    URL through the path layer under a keras_dist strategy."""
+    ours = _ON_THE_BUCKET[name]
+
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def wrapper(path, *args, **kwargs):
+            if _on_a_bucket(path) and current_strategy() is not None:
+                return ours(storage.check(path, argument="filepath"), *args, **kwargs)
+            return original(path, *args, **kwargs)
 
         marked(wrapper, original)
         return wrapper

@@ -103,6 +103,64 @@ def test_save_and_load_under_a_strategy_on_a_bucket(scheme, kind, workdir):
     )
 
 
+class _StopAfterEpoch2(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt
+
+
+def _interrupted(root: str) -> None:
+    """Keras's own `ModelCheckpoint` and `BackupAndRestore` in `root`, under
+    a strategy: `fit` stopped after its second epoch."""
+    checkpoint = keras.callbacks.ModelCheckpoint(
+        f"{root}/ckpts/ckpt_{{epoch}}.weights.h5", save_weights_only=True
+    )
+    backup = keras.callbacks.BackupAndRestore(f"{root}/backup")
+    with pytest.raises(KeyboardInterrupt):
+        _fit(mirrored(4), [checkpoint, backup, _StopAfterEpoch2()])
+
+
+def _resumed(root: str) -> keras.Model:
+    return _fit(mirrored(4), [keras.callbacks.BackupAndRestore(f"{root}/backup")])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_keras_own_callbacks_write_a_bucket_under_a_strategy(scheme, workdir, tmp_path):
+    """`keras.callbacks.ModelCheckpoint` and `keras.callbacks.BackupAndRestore`
+    (Keras's, whose file calls go to TensorFlow's gfile): under a strategy,
+    on the bucket through keras_dist's path layer; the resumed `fit` ends as
+    the same callbacks' on a local disk, bit for bit."""
+    root = _storage.bucket(scheme)
+    on_disk = str(tmp_path / "disk")
+    _interrupted(on_disk)
+    on_disk_resumed = _resumed(on_disk)
+    _interrupted(root)
+    assert _storage.listing(root) == [
+        "backup/latest.weights.h5",
+        "backup/training_metadata.json",
+        "ckpts/ckpt_1.weights.h5",
+        "ckpts/ckpt_2.weights.h5",
+    ]
+    metadata = json.loads(_storage.read(f"{root}/backup/training_metadata.json"))
+    assert metadata == {"epoch": 2, "batch": 0}  # Resume at the third epoch.
+    resumed = _resumed(root)
+    assert_weights_close(
+        on_disk_resumed.get_weights(), resumed.get_weights(), rtol=0, atol=0
+    )
+    assert _storage.listing(root) == [  # Keras's `delete_checkpoint=True`.
+        "ckpts/ckpt_1.weights.h5",
+        "ckpts/ckpt_2.weights.h5",
+    ]
+    from_disk, from_bucket = (
+        build_in_scope(mirrored(4), initial_weights()) for _ in range(2)
+    )
+    from_disk.load_weights(f"{on_disk}/ckpts/ckpt_2.weights.h5")
+    from_bucket.load_weights(f"{root}/ckpts/ckpt_2.weights.h5")
+    assert_weights_close(
+        from_disk.get_weights(), from_bucket.get_weights(), rtol=0, atol=0
+    )
+
+
 def test_backup_and_restore_on_gs_resumes_where_it_stopped(workdir):
     """Orbax writes the backup on `gs://` itself (tensorstore), a step
     committed by its `commit_success.txt`; an interrupted `fit` resumes from
