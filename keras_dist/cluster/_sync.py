@@ -31,8 +31,8 @@ __all__ = [
     "channel",
     "mark_exit",
     "multi_process",
-    "wait_for_exits",
     "set_timeout",
+    "wait_for_exits",
 ]
 
 # How long a wait runs before it looks for peers that will never arrive.
