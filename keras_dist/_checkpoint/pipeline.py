@@ -12,6 +12,14 @@ thread), then the engine's commit, kept by Orbax's keep policy:
   `PreemptionCheckpointHandler` (`orbax_store.py`).
 - `LocalSaves`: `BackupAndRestore`'s local tier, each process's own parts
   (`local_tier.py`).
+
+`TwoTierSaves` is the backup both `BackupAndRestore` and
+`PreemptionCheckpointHandler` keep: an `OrbaxSaves` every process writes
+and, with `local_dir`, each host's `LocalSaves`; one Orbax save in flight
+of either, a restore from the newer. Keras's `model.save`/`save_weights`
+(and Keras's own `ModelCheckpoint`, which calls them) under a strategy take
+`keras_files.save_once`: the same snapshot and the same atomic commit as
+`KerasFileSaves`, on the caller's thread.
 """
 
 import concurrent.futures
@@ -44,6 +52,7 @@ __all__ = [
     "KerasFileSaves",
     "LocalSaves",
     "OrbaxSaves",
+    "TwoTierSaves",
     "Writer",
     "check_shared",
     "check_writable_dir",
@@ -551,3 +560,100 @@ class LocalSaves(_StoreSaves):
         if stale:
             self.store.reload()
         return meta if choice is not None else None
+
+
+# Two tiers ---------------------------------------------------------------------
+
+
+class TwoTierSaves:
+    """A backup in two tiers: the persistent one in `directory` (Orbax's
+    checkpoints every process writes, on storage every host sees: the
+    newest 2 kept) and, with `local_dir`, each host's own (`LocalSaves`).
+
+    One Orbax save in flight, of either tier (Orbax's saves share
+    process-wide state: two at once collide); a restore takes the newest
+    local backup at least as new as the persistent tier's, else the
+    persistent tier's. `groups`: the state saved (`orbax_store.GROUPS`).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        local_dir: str | None,
+        *,
+        owner: str,
+        async_save: bool,
+        groups: tuple = tuple(GROUPS),
+    ):
+        self.directory, self.groups = directory, groups
+        self.persistent = OrbaxSaves(
+            directory,
+            owner=owner,
+            what="backup",
+            async_save=async_save,
+            max_to_keep=2,
+        )
+        self.local = LocalSaves(local_dir, owner=owner) if local_dir else None
+
+    def steps(self) -> list[int]:
+        """The persistent tier's steps, oldest first."""
+        return self.persistent.store.steps()
+
+    def prepare(self, model) -> None:
+        """Compiles the persistent tier's snapshot (not at the first save)."""
+        self.persistent.store.prepare(model, self.groups)
+
+    def save(self, model, step: int, *, meta: dict, local: bool = False) -> None:
+        """Saves `model`'s state (as a running `fit` holds it) as `step`, to
+        the local tier with `local` (nothing without one)."""
+        if local and self.local is None:
+            return
+        model.jax_state_sync()
+        if local:
+            self.persistent.wait()
+            self.local.save(model, step, meta=meta, groups=self.groups)  # type: ignore[union-attr]
+            return
+        if self.local is not None:
+            self.local.wait()
+        self.persistent.save(model, step, groups=self.groups, meta=meta)
+
+    def restore(self, model) -> dict | None:
+        """Loads the newest backup into `model` (every process together);
+        returns its meta (a local one's with `local_step` and `source`), or
+        None if there is none."""
+        if self.local is not None:
+            steps = self.steps()
+            meta = self.local.restore(
+                model, max(steps) if steps else None, groups=self.groups
+            )
+            if meta is not None:
+                return meta
+        return self.persistent.store.restore(model)
+
+    def check(self) -> None:
+        """Raises the error of a finished write of either tier; never waits."""
+        self.persistent.check()
+        if self.local is not None:
+            self.local.check()
+
+    def wait(self) -> None:
+        """Waits for the save in flight (either tier); raises its error."""
+        if self.local is not None:
+            self.local.wait()
+        self.persistent.wait()
+
+    def close(self) -> None:
+        """Finishes the saves in flight (raises their error); idempotent."""
+        try:
+            if self.local is not None:
+                self.local.close()
+        finally:
+            self.persistent.close()
+
+    def delete(self) -> None:
+        """Deletes the backups: the persistent tier by the chief, each
+        host's local tier by its own process (after `close`)."""
+        if jax.process_index() == 0 and storage.isdir(self.directory):
+            storage.rmtree(self.directory)
+        if self.local is not None:
+            shutil.rmtree(self.local.directory, ignore_errors=True)

@@ -1,15 +1,12 @@
 """`BackupAndRestore`: resume an interrupted `fit` exactly where it stopped."""
 
 import os
-import shutil
 
 import jax
 import keras
 
-from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.pipeline import (
-    LocalSaves,
-    OrbaxSaves,
+    TwoTierSaves,
     check_shared,
     check_writable_dir,
 )
@@ -141,11 +138,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "`local_dir` must be another directory than `backup_dir` (storage "
                     f"each host has to itself). Received: local_dir={local_dir!r}."
                 )
-        self._local: LocalSaves | None = None
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
         self.async_save = async_save
-        self._store: OrbaxSaves | None = None
+        self._store: TwoTierSaves | None = None
         self._preemption = PreemptionNotice()
         self._step_end = StepEnd()
 
@@ -153,28 +149,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Before Orbax's first save, which would wait for a folder another
         # host made on its own disk.
         check_shared(self.backup_dir, argument="backup_dir", owner="BackupAndRestore")
-        store = self._store = OrbaxSaves(
+        store = self._store = TwoTierSaves(
             self.backup_dir,
+            self.local_dir,
             owner="BackupAndRestore",
-            what="backup",
             async_save=self.async_save,
-            max_to_keep=2,
         )
         self._epoch, self._step_in_epoch, self._resumed_metrics = 0, 0, None
         call = _call.active()
         self._fit_initial_epoch = call.initial_epoch if call is not None else 0
         strategy = strategy_of_model(self.model)
         self._replicas = strategy.num_replicas_in_sync if strategy else 1
-        if self.local_dir is not None:
-            self._local = LocalSaves(self.local_dir, owner="BackupAndRestore")
         self._restore(call)
-        store.store.prepare(self.model)
+        store.prepare(self.model)
         self._global_step = step_counter(self.model.optimizer)
         _heartbeat.set_step(self._global_step)  # Where the launcher sees it.
         # Backups are numbered on the host from here (`StepEnd.step`), so a save
         # need not read the step counter (which waits for every step
         # dispatched): above the restored backup's number and any other.
-        self._saved_number = max([self._global_step, *store.store.steps()])
+        self._saved_number = max([self._global_step, *store.steps()])
         self._step_end.start(self.params.get("steps"), self._saved_number, call)
         if self.save_before_preemption:
             self._preemption.install()
@@ -202,7 +195,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if finished is None:
             return
         self._step_in_epoch = finished + 1
-        self._open_store().check()  # A background write that failed raises here.
+        store = self._open_store()
+        store.check()  # A background write that failed raises here.
         if self._preemption_noticed():
             self._save(self._epoch, self._step_in_epoch, finished)
             self._exit_preempted()
@@ -211,13 +205,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             and self._steps_since_save() >= self.save_freq
         ):
             self._save(self._epoch, self._step_in_epoch, finished)
-        if self._local is not None:
-            self._local.check()
-            if (
-                self._step_end.step(finished) - self._saved_number
-                >= self.local_save_freq
-            ):
-                self._save(self._epoch, self._step_in_epoch, finished, local=True)
+        if (
+            store.local is not None
+            and self._step_end.step(finished) - self._saved_number
+            >= self.local_save_freq
+        ):
+            self._save(self._epoch, self._step_in_epoch, finished, local=True)
 
     def _exit_preempted(self) -> None:
         self._open_store().wait()  # On disk before the process exits.
@@ -254,33 +247,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._exit_preempted()
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        store = self._store
         self._release()
-        if (
-            self.delete_checkpoint
-            and jax.process_index() == 0
-            and storage.isdir(self.backup_dir)
-        ):
-            storage.rmtree(self.backup_dir)
-        if self.delete_checkpoint and self.local_dir is not None:  # Every host.
-            shutil.rmtree(
-                os.path.join(self.local_dir, f"process_{jax.process_index()}"),
-                ignore_errors=True,
-            )
+        if self.delete_checkpoint and store is not None:
+            store.delete()
 
     def _release(self) -> None:
         """Undoes what `on_train_begin` set up (also when `fit` raises)."""
         _access.set_initial_epoch(self.model, None)
         self._preemption.uninstall()
         store, self._store = self._store, None
-        local, self._local = self._local, None
-        try:
-            if local is not None:
-                local.close()
-        finally:
-            if store is not None:
-                store.close()  # Finishes a save in flight; raises if it failed.
+        if store is not None:
+            store.close()  # Finishes the saves in flight; raises if one failed.
 
-    def _open_store(self) -> OrbaxSaves:
+    def _open_store(self) -> TwoTierSaves:
         """The store of this `fit` (from `on_train_begin` to `_release`)."""
         if self._store is None:
             raise RuntimeError(
@@ -294,7 +274,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     ) -> None:
         """Backs up the state after step index `through` of this epoch (to
         the local tier with `local`)."""
-        self.model.jax_state_sync()  # The state a running `fit` holds.
         # Counted on the host (`StepEnd.step`): the optimizer's step count,
         # unless a loss-scaling optimizer skipped steps (then higher), and
         # always above the backups in the directory.
@@ -306,27 +285,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             "fit_initial_epoch": int(self._fit_initial_epoch),
             "num_replicas": self._replicas,
         }
-        # One Orbax save in flight, of either tier (Orbax's saves share
-        # process-wide state: two at once collide).
-        if local:
-            self._open_store().wait()
-            self._local.save(self.model, self._saved_number, meta=meta)  # type: ignore[union-attr]
-            return
-        self._saved_step = step
-        if self._local is not None:
-            self._local.wait()
-        self._open_store().save(self.model, self._saved_number, meta=meta)
+        if not local:
+            self._saved_step = step
+        self._open_store().save(self.model, self._saved_number, meta=meta, local=local)
 
     def _steps_since_save(self) -> int:
         return self._step_in_epoch - self._saved_step
 
     def _restore(self, call: _call.CallState | None) -> None:
-        store, meta = self._open_store().store, None
-        if self._local is not None:  # Its newest, if not older than the store's.
-            steps = store.steps()
-            meta = self._local.restore(self.model, max(steps) if steps else None)
-        if meta is None:
-            meta = store.restore(self.model)
+        meta = self._open_store().restore(self.model)
         if meta is None:
             return
         epoch, step = meta["epoch"], meta["step"]

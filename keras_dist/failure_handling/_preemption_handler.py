@@ -9,8 +9,7 @@ import keras
 
 from keras_dist._checkpoint.orbax_store import GROUPS
 from keras_dist._checkpoint.pipeline import (
-    LocalSaves,
-    OrbaxSaves,
+    TwoTierSaves,
     check_shared,
     check_writable_dir,
 )
@@ -42,10 +41,10 @@ class _ModelState:
     """The default manager: a model's state in Orbax checkpoints.
 
     Its weights and the variables of `model.optimizer` (built here if it is
-    not yet), as `kd.callbacks.BackupAndRestore` saves them (numbered,
-    atomic, the previous one kept). Not the metrics: a custom loop builds
-    them in its first step, after the restore, and `train_on_batch` resets
-    them every step.
+    not yet), in the two tiers `kd.callbacks.BackupAndRestore` keeps
+    (`pipeline.TwoTierSaves`: numbered, atomic, the previous one kept).
+    Not the metrics: a custom loop builds them in its first step, after the
+    restore, and `train_on_batch` resets them every step.
     """
 
     def __init__(self, model: keras.Model, directory: str, local_dir: str | None):
@@ -59,44 +58,26 @@ class _ModelState:
         # Synchronous: it saves right before the process exits, which must
         # wait for the files anyway (with a grace period, its first save
         # waits too: a few runs of training are not worth a second road).
-        self._store = OrbaxSaves(
+        self._tiers = TwoTierSaves(
             directory,
+            local_dir,
             owner="PreemptionCheckpointHandler",
-            what="backup",
             async_save=False,
-            max_to_keep=2,
-        )
-        self._local = (
-            LocalSaves(local_dir, owner="PreemptionCheckpointHandler")
-            if local_dir is not None
-            else None
+            groups=_GROUPS,
         )
 
     def save(self, number: int, meta: dict) -> None:
-        self.model.jax_state_sync()
-        if self._local is not None:
-            self._local.wait()  # One Orbax save in flight, of either tier.
-        self._store.save(self.model, number, groups=_GROUPS, meta=meta)
+        self._tiers.save(self.model, number, meta=meta)
 
     def save_local(self, number: int, meta: dict) -> None:
         """A save to the local tier (in the background), if there is one."""
-        if self._local is None:
-            return
-        self.model.jax_state_sync()
-        self._local.save(self.model, number, meta=meta, groups=_GROUPS)
+        self._tiers.save(self.model, number, meta=meta, local=True)
 
     def restore(self) -> dict | None:
-        steps = self._store.store.steps()
-        if self._local is not None:
-            newest = max(steps) if steps else None
-            meta = self._local.restore(self.model, newest, groups=_GROUPS)
-            if meta is not None:
-                return meta
-        return self._store.store.restore(self.model)
+        return self._tiers.restore(self.model)
 
     def close(self) -> None:
-        if self._local is not None:
-            self._local.close()  # Finishes a save in flight.
+        self._tiers.close()  # Finishes a local save in flight.
 
 
 def _manager(
