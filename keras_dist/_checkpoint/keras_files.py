@@ -4,11 +4,7 @@
 (`_private_api/_keras_saving.record`) with every value frozen (`freeze.py`);
 `write` (on any thread) replays it into Keras's own `H5IOStore` (h5py writes
 the bytes) under a temporary name, fsynced and renamed (`atomic_write`): a
-crash leaves the previous file. `save_once` makes the save every process of
-a cluster calls (`model.save_weights`, `model.save`, `keras.saving.save_model`,
-sent here by `_seams/_save_calls.py`) one file, written by the chief: Keras
-alone would have every process write it (h5py's lock refuses the second
-writer; two processes write one zip at once).
+crash leaves the previous file.
 """
 
 import contextlib
@@ -17,13 +13,10 @@ import json
 import os
 import pathlib
 import re
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
-
-import jax
 
 from keras_dist._checkpoint import storage
 from keras_dist._checkpoint.freeze import freeze, prepare
@@ -33,8 +26,6 @@ from keras_dist._private_api._keras_saving import (
     reusable,
     write_snapshot,
 )
-from keras_dist.cluster import _sync
-from keras_dist.errors import CheckpointWriteError
 
 __all__ = [
     "SUFFIXES",
@@ -45,11 +36,9 @@ __all__ = [
     "record",
     "remove_stale_temps",
     "reusable",
-    "save_once",
     "snapshot",
     "write",
     "write_snapshot",
-    "written_everywhere",
 ]
 
 # Snapshot --------------------------------------------------------------------
@@ -162,107 +151,5 @@ def remove_stale_temps(directory: str) -> list[str]:
     return removed
 
 
-# Saved by every process, written once ----------------------------------------
-
-_SINGLE_FILES = (".weights.h5", ".keras", ".h5", ".hdf5")
 # The files `ModelCheckpoint` writes (and `latest_checkpoint` finds).
 SUFFIXES = (".weights.h5", ".keras", ".h5")
-
-
-def save_once(
-    model,
-    filepath: str,
-    save: Callable[[str], object],
-    *,
-    weights_only: bool,
-    method: str,
-    overwrite: bool = True,
-    snapshot_format: bool = True,
-) -> None:
-    """`save(path)` (Keras's function, bound to its other arguments) as one
-    save of every process; `filepath` written once, by the chief.
-
-    The processes first agree that each is saving (a process that is not,
-    as in `if strategy.is_chief: model.save(...)`, is named at once, not
-    waited for in a gather). Every process then takes the walk and the
-    gathers of values split across processes (`snapshot`); the chief
-    `write`s. A format the snapshot does not write (legacy `.h5`, sharded
-    `.weights.json`, an unzipped or `hf://` model, a file Keras would ask
-    before overwriting) is Keras's own `save` on every process, the others
-    writing into a scratch directory. Every process returns when the file
-    is complete, or raises (the chief's error on the others). One process:
-    `atomic_write` around `save`.
-
-    `method` names the call in messages (`"model.save_weights"`);
-    `snapshot_format`: the call leaves the file to the snapshot's writer
-    (no `max_shard_size`, zipped, not `hf://`).
-
-    Raises:
-        ProcessMismatchError: if a process is not saving (names it).
-        CheckpointWriteError: on the other processes, if the chief's write
-            failed (its error).
-    """
-    path = os.fspath(filepath)
-    single = path.endswith(_SINGLE_FILES) and not path.startswith("hf://")
-    atomic = single and (overwrite or not storage.exists(path))
-    if jax.process_count() == 1:
-        if atomic:
-            atomic_write(path, save)
-        else:
-            save(path)
-        return
-    rule = (
-        f"Call `{method}` on every process: keras_dist saves once, the chief "
-        "(process 0) writes the file and the others wait for it."
-    )
-    _sync.allgather("save", {"method": method}, rule=rule)
-    chief = jax.process_index() == 0
-    suffix = ".weights.h5" if weights_only else ".keras"
-    error = None
-    try:
-        if atomic and snapshot_format and path.endswith(suffix):
-            _write_snapshot(model, path, weights_only=weights_only, chief=chief)
-        elif chief:
-            atomic_write(path, save) if atomic else save(path)
-        else:
-            with tempfile.TemporaryDirectory(prefix="keras_dist-scratch-") as scratch:
-                save(os.path.join(scratch, os.path.basename(path) or "file"))
-    except BaseException as failure:
-        error = failure
-    written_everywhere(error, what=f"{path!r} for `{method}`", rule=rule)
-
-
-def written_everywhere(
-    error: BaseException | None, *, what: str, rule: str = ""
-) -> None:
-    """Every process returns once the chief's files are complete: raises
-    `error` (this process's), or on the others the chief's.
-
-    Every process calls it after its part of a save (`error`: what that
-    part raised, or None).
-
-    Raises:
-        CheckpointWriteError: on a process other than the chief, if the
-            chief's part failed (its error).
-    """
-    if jax.process_count() > 1:
-        outcome = None if error is None else f"{type(error).__name__}: {error}"[:500]
-        outcomes = _sync.allgather("save-done", outcome, rule=rule)
-    else:
-        outcomes = [None]
-    if error is not None:
-        raise error
-    if outcomes[0] is not None:
-        raise CheckpointWriteError(
-            f"The chief (process 0) could not write {what}: {outcomes[0]}. "
-            "See the chief's log."
-        )
-
-
-def _write_snapshot(model, path: str, *, weights_only: bool, chief: bool) -> None:
-    """Every process: the walk and the gathers; the chief: the file."""
-    snap = snapshot(model, with_config=not weights_only, copy_local=chief)
-    if chief:
-        write(snap, path)
-    else:
-        snap.release()

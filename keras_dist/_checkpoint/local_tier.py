@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from keras_dist._checkpoint.orbax_store import GROUPS, ORDER, Saving
+from keras_dist._checkpoint.orbax_store import GROUPS, ORDER, Saving, keep_policy
 from keras_dist._version import __version__
 
 __all__ = [
@@ -233,7 +233,8 @@ class Store:
         self._manager = ocp.CheckpointManager(
             directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=2,
+                # The keep policy of every tier and of `ModelCheckpoint`.
+                preservation_policy=keep_policy(2, None),
                 create=False,
                 cleanup_tmp_directories=True,
                 multiprocessing_options=multiprocessing,

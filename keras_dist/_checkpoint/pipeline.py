@@ -18,8 +18,8 @@ thread), then the engine's commit, kept by Orbax's keep policy:
 and, with `local_dir`, each host's `LocalSaves`; one Orbax save in flight
 of either, a restore from the newer. Keras's `model.save`/`save_weights`
 (and Keras's own `ModelCheckpoint`, which calls them) under a strategy take
-`keras_files.save_once`: the same snapshot and the same atomic commit as
-`KerasFileSaves`, on the caller's thread.
+`save_once` (from `_seams/_save_calls.py`): the same snapshot and the same
+atomic commit as `KerasFileSaves`, on the caller's thread.
 """
 
 import concurrent.futures
@@ -30,6 +30,7 @@ import functools
 import os
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -56,6 +57,8 @@ __all__ = [
     "Writer",
     "check_shared",
     "check_writable_dir",
+    "save_once",
+    "written_everywhere",
 ]
 
 # `KerasFileSaves`'s index of its files, newest last.
@@ -382,7 +385,7 @@ class KerasFileSaves(Writer):
                 raise
             error = failure
         if not self.background:  # Every process returns when written.
-            keras_files.written_everywhere(error, what=repr(path))
+            written_everywhere(error, what=repr(path))
 
     def kept(self, path: str, *, epoch: int, step: int, chief: bool) -> None:
         """Adds a file the chief wrote to the index; deletes what the policy
@@ -657,3 +660,113 @@ class TwoTierSaves:
             storage.rmtree(self.directory)
         if self.local is not None:
             shutil.rmtree(self.local.directory, ignore_errors=True)
+
+
+# Keras's save calls: saved by every process, written once --------------------
+
+_SINGLE_FILES = (".weights.h5", ".keras", ".h5", ".hdf5")
+
+
+def save_once(
+    model,
+    filepath: str,
+    save: Callable[[str], object],
+    *,
+    weights_only: bool,
+    method: str,
+    overwrite: bool = True,
+    snapshot_format: bool = True,
+) -> None:
+    """`save(path)` (Keras's function, bound to its other arguments) as one
+    save of every process; `filepath` written once, by the chief.
+
+    The processes first agree that each is saving (a process that is not,
+    as in `if strategy.is_chief: model.save(...)`, is named at once, not
+    waited for in a gather). Every process then takes the walk and the
+    gathers of values split across processes (`snapshot`); the chief
+    `write`s. A format the snapshot does not write (legacy `.h5`, sharded
+    `.weights.json`, an unzipped or `hf://` model, a file Keras would ask
+    before overwriting) is Keras's own `save` on every process, the others
+    writing into a scratch directory. Every process returns when the file
+    is complete, or raises (the chief's error on the others). One process:
+    `atomic_write` around `save` (Keras's file under a temporary name,
+    renamed: a crash leaves the previous file).
+
+    `method` names the call in messages (`"model.save_weights"`);
+    `snapshot_format`: the call leaves the file to the snapshot's writer
+    (no `max_shard_size`, zipped, not `hf://`).
+
+    Raises:
+        ProcessMismatchError: if a process is not saving (names it).
+        CheckpointWriteError: on the other processes, if the chief's write
+            failed (its error).
+    """
+    path = os.fspath(filepath)
+    single = path.endswith(_SINGLE_FILES) and not path.startswith("hf://")
+    # Into a folder that exists (else Keras's own error: it makes none).
+    atomic = (
+        single
+        and (overwrite or not storage.exists(path))
+        and (storage.is_remote(path) or os.path.isdir(os.path.dirname(path) or "."))
+    )
+    if jax.process_count() == 1:
+        if atomic:
+            keras_files.atomic_write(path, save)
+        else:
+            save(path)
+        return
+    rule = (
+        f"Call `{method}` on every process: keras_dist saves once, the chief "
+        "(process 0) writes the file and the others wait for it."
+    )
+    _sync.allgather("save", {"method": method}, rule=rule)
+    chief = jax.process_index() == 0
+    suffix = ".weights.h5" if weights_only else ".keras"
+    error = None
+    try:
+        if atomic and snapshot_format and path.endswith(suffix):
+            _write_snapshot(model, path, weights_only=weights_only, chief=chief)
+        elif chief:
+            keras_files.atomic_write(path, save) if atomic else save(path)
+        else:
+            with tempfile.TemporaryDirectory(prefix="keras_dist-scratch-") as scratch:
+                save(os.path.join(scratch, os.path.basename(path) or "file"))
+    except BaseException as failure:
+        error = failure
+    written_everywhere(error, what=f"{path!r} for `{method}`", rule=rule)
+
+
+def written_everywhere(
+    error: BaseException | None, *, what: str, rule: str = ""
+) -> None:
+    """Every process returns once the chief's files are complete: raises
+    `error` (this process's), or on the others the chief's.
+
+    Every process calls it after its part of a save (`error`: what that
+    part raised, or None).
+
+    Raises:
+        CheckpointWriteError: on a process other than the chief, if the
+            chief's part failed (its error).
+    """
+    if jax.process_count() > 1:
+        outcome = None if error is None else f"{type(error).__name__}: {error}"[:500]
+        outcomes = _sync.allgather("save-done", outcome, rule=rule)
+    else:
+        outcomes = [None]
+    if error is not None:
+        raise error
+    if outcomes[0] is not None:
+        raise CheckpointWriteError(
+            f"The chief (process 0) could not write {what}: {outcomes[0]}. "
+            "See the chief's log."
+        )
+
+
+def _write_snapshot(model, path: str, *, weights_only: bool, chief: bool) -> None:
+    """Every process: the walk and the gathers; the chief: the file."""
+    snap = keras_files.snapshot(model, with_config=not weights_only, copy_local=chief)
+    if chief:
+        keras_files.write(snap, path)
+    else:
+        snap.release()

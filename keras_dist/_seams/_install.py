@@ -97,7 +97,7 @@ trainer's `fit`):
     `Model.save`, `Model.save_weights`, `keras.saving.save_model` /
     `save_weights` (and `keras.models.save_model`) on a model whose strategy
     spans processes: every process takes part, the chief writes one complete
-    file (`_checkpoint/keras_files.save_once`), all return when it is
+    file (`_checkpoint/pipeline.save_once`), all return when it is
     complete; a process that is not saving is named at once. The same, and
     the load functions, for a `gs://`/`s3://` path: written and read whole
     through a local file.

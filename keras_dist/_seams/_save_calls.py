@@ -3,11 +3,11 @@ a bucket's file is written and read whole.
 
 `Model.save`, `Model.save_weights`, `keras.saving.save_model` (also
 `keras.models.save_model`) and `keras.saving.save_weights`, called on a
-model of a keras_dist strategy whose mesh spans processes, or with a
-`gs://`/`s3://` path, go to the save pipeline's
-`_checkpoint/keras_files.save_once`: every process takes part, the chief
-writes one complete file (on a bucket: a local file uploaded whole), every
-process returns when it is complete. `Model.load_weights`,
+model of a keras_dist strategy, go to the save pipeline's
+`_checkpoint/pipeline.save_once`: Keras's file committed whole (written
+under a temporary name and renamed; on a bucket: a local file uploaded
+whole), and with several processes every process takes part, the chief
+writes the one file, every process returns when it is complete. `Model.load_weights`,
 `keras.saving.load_weights` and `keras.saving.load_model` (also
 `keras.models.load_model`) under a keras_dist strategy read a `gs://`/`s3://`
 file from a local copy, downloaded whole. The file functions Keras's own
@@ -23,12 +23,13 @@ remote route is TensorFlow's gfile).
 import functools
 import importlib.util
 import inspect
+import os
 from collections.abc import Callable
 
 import keras
 
 from keras_dist._checkpoint import storage
-from keras_dist._checkpoint.keras_files import save_once
+from keras_dist._checkpoint.pipeline import save_once
 from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._model import _strategy_for
 from keras_dist._seams._trainer import current_strategy
@@ -61,8 +62,8 @@ def saved_once(*, weights_only: bool, method: str) -> Callable:
             bound = signature.bind(model, *args, **kwargs)
             arguments = bound.arguments
             filepath = arguments["filepath"]
-            if not (strategy.spans_processes or _on_a_bucket(filepath)):
-                return original(model, *args, **kwargs)
+            if not isinstance(filepath, str | os.PathLike):
+                return original(model, *args, **kwargs)  # Keras's own error.
             if _on_a_bucket(filepath):
                 filepath = storage.check(filepath, argument="filepath")
 

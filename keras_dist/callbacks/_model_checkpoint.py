@@ -11,13 +11,14 @@ import keras
 from jax.experimental import multihost_utils
 
 from keras_dist._checkpoint import storage
-from keras_dist._checkpoint.keras_files import save_once, written_everywhere
 from keras_dist._checkpoint.orbax_store import GROUPS, WEIGHTS
 from keras_dist._checkpoint.pipeline import (
     KerasFileSaves,
     OrbaxSaves,
     check_shared,
     check_writable_dir,
+    save_once,
+    written_everywhere,
 )
 from keras_dist._checks import check_int
 from keras_dist._private_api._access import step_counter

@@ -189,3 +189,152 @@ def test_a_save_runs_callback_pipeline_engine_downward(
     both_ways = {(a, b) for a, b in calls if a != b and (b, a) in calls}
     assert both_ways == set()
     assert len(route) <= 8, ", ".join(route)
+
+
+# Every save route, and what writes its bytes ---------------------------------
+
+
+class _Calls:
+    """The functions entered on every thread: keras_dist's as (file,
+    function), and whether Keras's saving code and Orbax were entered."""
+
+    def __init__(self):
+        self.ours: set[tuple[str, str]] = set()
+        self.libraries: set[str] = set()
+
+    def __call__(self, frame, event, arg):
+        if event != "call":
+            return
+        name = frame.f_code.co_filename
+        if name.startswith(PACKAGE):
+            self.ours.add((os.path.relpath(name, PACKAGE), frame.f_code.co_name))
+        elif name.endswith(
+            f"{os.sep}keras{os.sep}src{os.sep}saving{os.sep}saving_lib.py"
+        ):
+            self.libraries.add("keras saving")
+        elif f"{os.sep}orbax{os.sep}" in name:
+            self.libraries.add("orbax")
+        elif f"{os.sep}h5py{os.sep}" in name:
+            self.libraries.add("h5py")
+
+
+def _fitted():
+    with kd.MirroredStrategy().scope():
+        model = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+        )
+        model.compile(optimizer="adam", loss="mse")
+    x = np.random.default_rng(0).normal(size=(64, 6)).astype("float32")
+    return model, x, x[:, :1]
+
+
+def _fit_with(callback):
+    model, x, y = _fitted()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+
+
+def _custom_loop_preempted(directory, local_dir=None):
+    model, x, y = _fitted()
+    handler = kd.PreemptionCheckpointHandler(
+        None,
+        model,
+        directory,
+        # Told of a preemption at the first run: it saves, and trains on.
+        kd.TerminationConfig(termination_watcher_fn=lambda: True, exit_fn=lambda: None),
+        local_dir=local_dir,
+    )
+    handler.run(model.train_on_batch, x[:16], y[:16])
+    handler.close()
+
+
+_KERAS_FILE = {("_checkpoint/keras_files.py", "atomic_write")}
+_ORBAX = {("_checkpoint/orbax_store.py", "save")}
+_LOCAL = {("_checkpoint/local_tier.py", "save_async")}
+_TWO_TIERS = {("_checkpoint/pipeline.py", "save")} | {
+    ("_checkpoint/pipeline.py", "restore")
+}
+ROUTES = {
+    "kd ModelCheckpoint .weights.h5": (
+        lambda d: _fit_with(
+            kd.callbacks.ModelCheckpoint(
+                f"{d}/c_{{epoch}}.weights.h5", save_weights_only=True
+            )
+        ),
+        _KERAS_FILE,
+    ),
+    "kd ModelCheckpoint .keras": (
+        lambda d: _fit_with(kd.callbacks.ModelCheckpoint(f"{d}/c_{{epoch}}.keras")),
+        _KERAS_FILE,
+    ),
+    "kd ModelCheckpoint sharded": (
+        lambda d: _fit_with(kd.callbacks.ModelCheckpoint(f"{d}/s", sharded=True)),
+        _ORBAX,
+    ),
+    "keras ModelCheckpoint": (
+        lambda d: _fit_with(keras.callbacks.ModelCheckpoint(f"{d}/c_{{epoch}}.keras")),
+        _KERAS_FILE | {("_checkpoint/pipeline.py", "save_once")},
+    ),
+    "keras BackupAndRestore": (
+        lambda d: _fit_with(
+            keras.callbacks.BackupAndRestore(f"{d}/b", delete_checkpoint=False)
+        ),
+        _KERAS_FILE | {("_checkpoint/pipeline.py", "save_once")},
+    ),
+    "model.save_weights": (
+        lambda d: _fitted()[0].save_weights(f"{d}/w.weights.h5"),
+        _KERAS_FILE | {("_checkpoint/pipeline.py", "save_once")},
+    ),
+    "keras.saving.save_model": (
+        lambda d: keras.saving.save_model(_fitted()[0], f"{d}/m.keras"),
+        _KERAS_FILE | {("_checkpoint/pipeline.py", "save_once")},
+    ),
+    "kd BackupAndRestore": (
+        lambda d: _fit_with(
+            kd.callbacks.BackupAndRestore(f"{d}/b", delete_checkpoint=False)
+        ),
+        _ORBAX | _TWO_TIERS,
+    ),
+    "kd BackupAndRestore, local tier": (
+        lambda d: _fit_with(
+            kd.callbacks.BackupAndRestore(
+                f"{d}/b",
+                local_dir=f"{d}/local",
+                local_save_freq=2,
+                delete_checkpoint=False,
+            )
+        ),
+        _ORBAX | _LOCAL | _TWO_TIERS,
+    ),
+    "PreemptionCheckpointHandler, local tier": (
+        lambda d: _custom_loop_preempted(f"{d}/p", local_dir=f"{d}/local"),
+        _ORBAX | _TWO_TIERS,
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+def test_every_save_route_is_the_pipelines_with_two_byte_writers(tmp_path, route):
+    """Each way a user saves under a strategy enters the pipeline
+    (`_checkpoint/pipeline.py`): Keras's files are committed by one function
+    (`keras_files.atomic_write`) and written by Keras's saving code (h5py
+    for `.weights.h5`), everything else by Orbax (the persistent tier and
+    sharded checkpoints through `OrbaxStore.save`, the local tier through
+    Orbax's manager): the two byte-writers, one a route."""
+    save, expected = ROUTES[route]
+    calls = _Calls()
+    threading.setprofile(calls)
+    sys.setprofile(calls)
+    try:
+        save(tmp_path)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert expected <= calls.ours, sorted(expected - calls.ours)
+    assert any(file == "_checkpoint/pipeline.py" for file, _ in calls.ours)
+    if expected & (_ORBAX | _LOCAL):  # Keras's JSON and assets, if any, in it.
+        assert "orbax" in calls.libraries
+        assert "h5py" not in calls.libraries
+    else:
+        assert {"keras saving", "h5py"} <= calls.libraries
+        assert "orbax" not in calls.libraries
+    assert os.listdir(tmp_path)  # Written.
