@@ -254,7 +254,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="write where the wall time went (productive steps, start-up, input, "
-        "checkpoints, evaluation, failures) to FILE as JSON and print it as a "
+        "checkpoints, evaluation, failures) to FILE (a path, or gs://... or "
+        "s3://... with gcsfs or s3fs installed) as JSON and print it as a "
         "table at the end (printed after a restart anyway)",
     )
     parser.add_argument(
@@ -624,6 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.command = _command(args, parser)
     args.compilation_cache = _compilation_cache(args.compilation_cache)
+    _check_goodput(args.goodput, parser)
     interrupted: dict = {}
     cluster: _Cluster | None = None
 
@@ -680,13 +682,54 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(s, handler)
 
 
+# The URL schemes `--goodput` writes: the package that serves each, and
+# keras_dist's extra that brings it.
+_BUCKETS = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+
+
+def _check_goodput(path: str | None, parser: argparse.ArgumentParser) -> None:
+    """A `--goodput` URL is one a library installed here writes (checked
+    before the processes start, not when the report is due)."""
+    if path is None or "://" not in path:
+        return
+    scheme = path.split("://", 1)[0]
+    served = _BUCKETS.get(scheme)
+    if served is None:
+        parser.error(
+            f"--goodput: no library writes {scheme}:// here. Received: "
+            f"--goodput {path}. Give a local path, gs://... (gcsfs) or s3://... "
+            "(s3fs)."
+        )
+    import importlib.util
+
+    package, extra = served
+    if importlib.util.find_spec(package) is None:
+        parser.error(
+            f"--goodput {path} needs `{package}`, which is not installed: "
+            f"`pip install {package}` (keras_dist's `{extra}` extra), or give "
+            "a local path."
+        )
+
+
+def _write_report(path: str, text: str) -> None:
+    """`text` to `path`: a local file, or a bucket's object (one upload,
+    through etils.epath's fsspec backend, as keras_dist's checkpoints)."""
+    if "://" in path:
+        from etils.epath import backend
+
+        with backend.fsspec_backend.open(path, "w") as f:
+            f.write(text)
+        return
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def _goodput_report(args: argparse.Namespace, attempts: list[Attempt]) -> None:
     """Where the wall time went (`_goodput.py`): as JSON to `--goodput`, and
     as a table when asked for or after a restart, if anything trained."""
     result = account(attempts)
     if args.goodput:
-        with open(args.goodput, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_report(args.goodput, json.dumps(result, indent=1))
     if any(row["steps"] for row in result["attempts"]) and (
         args.goodput or len(attempts) > 1
     ):

@@ -4,7 +4,8 @@ Args: a work directory. Writes `pid_<rank>` at start (the test SIGTERMs one
 process) and `weights_<rank>.json` when the loop ends; every process prints
 "rank R saved at run N" when it saves. KD_STEP_SECONDS slows each step.
 KD_LOCAL=K: a local tier every K runs; KD_KILL_RANK / KD_KILL_RUN: that
-rank SIGKILLs itself during that run, once.
+rank SIGKILLs itself during that run, once. KD_CHECKPOINT_DIR: the
+handler's `checkpoint_dir` (default: `<workdir>/ckpt`), e.g. a bucket.
 """
 
 import json
@@ -46,7 +47,7 @@ def make(model):
         kd.PreemptionCheckpointHandler(
             strategy.cluster_resolver,
             model,
-            os.path.join(workdir, "ckpt"),
+            os.environ.get("KD_CHECKPOINT_DIR", os.path.join(workdir, "ckpt")),
             config,
             **local,
         )

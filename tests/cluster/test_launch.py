@@ -258,6 +258,12 @@ def test_launcher_cli_first_day_mistakes(tmp_path):
         (["-n", "two"], "argument -n/--num-processes: expected a whole number"),
         (["--devices-per-process", "0"], "--devices-per-process: must be >= 1"),
         (["--preemption-grace", "-1"], "--preemption-grace: must be >= 0"),
+        (
+            ["--goodput", "az://runs/goodput.json"],
+            "--goodput: no library writes az:// here. Received: --goodput "
+            "az://runs/goodput.json. Give a local path, gs://... (gcsfs) or "
+            "s3://... (s3fs).",
+        ),
     ]:
         result = _cli(*(["-n", "2"] if "-n" not in args else []), *args, str(script))
         assert result.returncode == 2, args

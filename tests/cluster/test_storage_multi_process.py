@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 import keras_dist as kd
@@ -21,6 +22,7 @@ from tests._helpers import (
     make_data,
 )
 from tests._processes import CLUSTER, by_hand
+from tests.callbacks._sidecar import XV, YV, evaluator_model
 
 SCRIPT = CLUSTER / "storage_script.py"
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -94,3 +96,20 @@ def test_two_processes_back_up_and_checkpoint_on_a_bucket(tmp_path):
     restored = build_in_scope(kd.OneDeviceStrategy("cpu:0"), initial_weights())
     kd.callbacks.load_checkpoint(restored, f"{root}/ckpts/ckpt_3.weights.h5")
     assert_weights_close(reference.get_weights(), restored.get_weights())
+    # An evaluator job reads what the 2 processes' chief wrote on the
+    # bucket, and stops at the index's `done`.
+    evaluator = kd.callbacks.SidecarEvaluator(
+        evaluator_model(),
+        (XV, YV),
+        f"{root}/ckpts",
+        idle_timeout=30,
+        poll_interval=0.05,
+    )
+    evaluator.start()
+    names = [r["checkpoint"] for r in evaluator.history]
+    assert names == [f"{root}/ckpts/ckpt_{e}.weights.h5" for e in (1, 2, 3)]
+    expected = restored.evaluate(XV, YV, verbose=0, return_dict=True)
+    for name, value in expected.items():
+        np.testing.assert_allclose(
+            evaluator.history[-1]["metrics"][name], value, rtol=1e-5
+        )

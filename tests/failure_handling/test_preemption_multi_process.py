@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from tests import _storage
 from tests._helpers import assert_weights_close, mirrored
 from tests._processes import CLUSTER as HERE
 from tests._processes import launch
@@ -18,11 +19,11 @@ from tests.failure_handling import _loop
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
-def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120):
+def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120, env=None):
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "2", str(HERE / "preemption_script.py")]
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.2")
+    environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.2", **(env or {}))
     process = subprocess.Popen(
         [*command, str(workdir)],
         env=environ,
@@ -47,7 +48,11 @@ def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120):
 
 
 def test_sigterm_to_one_process_saves_both_at_one_run_and_resumes(tmp_path):
-    code, out, err = _launch_and_preempt_rank_1(tmp_path, after="[1] run 4")
+    """Both processes save on a bucket (`gs://`, a real fake-gcs-server: the
+    handler's `checkpoint_dir`, and the launcher's `--goodput` report)."""
+    root = _storage.bucket("gs")
+    env = {**_storage.emulators(), "KD_CHECKPOINT_DIR": f"{root}/ckpt"}
+    code, out, err = _launch_and_preempt_rank_1(tmp_path, after="[1] run 4", env=env)
     assert code == 42, out[-2000:] + err[-3000:]
     saved = re.findall(r"\[(\d)\] rank \d saved at run (\d+)", out)
     assert sorted(rank for rank, _ in saved) == ["0", "1"], out[-2000:]
@@ -56,19 +61,21 @@ def test_sigterm_to_one_process_saves_both_at_one_run_and_resumes(tmp_path):
     (run,) = runs
     assert 4 <= run < _loop.STEPS
     assert not (tmp_path / "weights_0.json").exists()
+    assert f"ckpt/{run}/commit_success.txt" in _storage.listing(root)
+    assert not (tmp_path / "ckpt").exists()  # Nothing local.
 
-    goodput = tmp_path / "goodput.json"
     # Steps long enough for the heartbeat (four times a second) to see them.
     again = launch(
         HERE / "preemption_script.py", tmp_path, devices=2, timeout=120,
-        flags=("--goodput", str(goodput)), env={"KD_STEP_SECONDS": "0.2"},
+        flags=("--goodput", f"{root}/goodput.json"),
+        env={**env, "KD_STEP_SECONDS": "0.2"},
     )  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"[0] rank 0 starts at run {run}" in again.stdout
     assert f"[1] rank 1 starts at run {run}" in again.stdout
     # A custom loop's goodput: its `handler.run` calls are the steps, from
     # the restored run on.
-    report = json.loads(goodput.read_text())
+    report = json.loads(_storage.read(f"{root}/goodput.json"))
     assert report["attempts"] == [
         {"failed": False, "steps": _loop.STEPS - run, "lost_steps": 0}
     ]
