@@ -6,7 +6,10 @@ up and checkpoints where the test says.
 3 epochs of `_helpers.make_data(40)` (batch 8) under
 `MultiWorkerMirroredStrategy` with `BackupAndRestore(BACKUP_DIR)` and
 `ModelCheckpoint(CHECKPOINT_DIR/ckpt_{epoch}.weights.h5)`; writes
-`WORKDIR/weights_<rank>.json`, or on an error `WORKDIR/error_<rank>.json`
+`WORKDIR/weights_<rank>.json`, then saves `final.weights.h5` and
+`final.keras` to CHECKPOINT_DIR (every process calls Keras's
+`save_weights`/`save`), loads them back and writes whether they equal the
+model (`WORKDIR/reloaded_<rank>.json`); or on an error `WORKDIR/error_<rank>.json`
 (its type, message and the seconds `fit` took to raise it) and raises it
 on (keras_dist's exit hook then ends the process with status 1, process 0
 after its peers). With LATE_S, process 1 records and raises its error
@@ -28,6 +31,8 @@ strategy = kd.MultiWorkerMirroredStrategy(
 )
 
 import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 from tests._helpers import build_in_scope, initial_weights, make_data  # noqa: E402
 
@@ -56,3 +61,16 @@ except Exception as error:
     raise
 weights = [w.tolist() for w in model.get_weights()]
 pathlib.Path(workdir, f"weights_{rank}.json").write_text(json.dumps(weights))
+# Keras's save and load calls, on every process, into the same folder.
+model.save_weights(f"{checkpoint_dir}/final.weights.h5")
+model.save(f"{checkpoint_dir}/final.keras")
+reloaded = build_in_scope(strategy, initial_weights())
+reloaded.load_weights(f"{checkpoint_dir}/final.weights.h5")
+with strategy.scope():
+    loaded = keras.saving.load_model(f"{checkpoint_dir}/final.keras")
+mine = model.get_weights()
+same = [
+    all(np.array_equal(a, b) for a, b in zip(mine, other.get_weights(), strict=True))
+    for other in (reloaded, loaded)
+]
+pathlib.Path(workdir, f"reloaded_{rank}.json").write_text(json.dumps(same))

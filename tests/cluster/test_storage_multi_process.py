@@ -87,7 +87,14 @@ def test_two_processes_back_up_and_checkpoint_on_a_bucket(tmp_path):
     assert [p for p in listed if p.startswith("ckpts/")] == [
         "ckpts/checkpoint",
         *(f"ckpts/ckpt_{e}.weights.h5" for e in (1, 2, 3)),
+        "ckpts/final.keras",
+        "ckpts/final.weights.h5",
     ]
+    for rank in (0, 1):  # `load_weights` and `load_model`: equal.
+        assert json.loads((tmp_path / f"reloaded_{rank}.json").read_text()) == [
+            True,
+            True,
+        ]
     # The newest 2 backups (epochs of 5 steps), each committed.
     assert {"backup/10/commit_success.txt", "backup/15/commit_success.txt"} <= set(
         listed
