@@ -659,7 +659,7 @@ class TwoTierSaves:
         if jax.process_index() == 0 and storage.isdir(self.directory):
             storage.rmtree(self.directory)
         if self.local is not None:
-            shutil.rmtree(self.local.directory, ignore_errors=True)
+            storage.rmtree(self.local.directory)
 
 
 # Keras's save calls: saved by every process, written once --------------------

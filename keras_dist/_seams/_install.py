@@ -132,7 +132,7 @@ from keras_dist._seams._optimizer import (
     _check_finite,
     _stateless_apply,
 )
-from keras_dist._seams._save_calls import loaded_locally, on_the_bucket, saved_once
+from keras_dist._seams._save_calls import bucket_gfile, loaded_locally, saved_once
 from keras_dist._seams._trainer import (
     BATCH_HOOKS,
     _batch_hook,
@@ -184,19 +184,6 @@ LOAD_FUNCTIONS = (
     ("keras.saving", "load_weights", True),
     ("keras.saving", "load_model", False),
     ("keras.models", "load_model", False),
-)
-# Keras's file functions its callbacks (`ModelCheckpoint`, `BackupAndRestore`)
-# call on a URL (TensorFlow's gfile in Keras).
-FILE_FUNCTIONS = (
-    "exists",
-    "isdir",
-    "makedirs",
-    "listdir",
-    "remove",
-    "rmtree",
-    "copy",
-    "File",
-    "join",
 )
 _TRAINER = "keras.src.backend.jax.trainer"
 _CORE = "keras.src.backend.jax.core"
@@ -293,11 +280,8 @@ _SEAMS: tuple = (
         (module, name, loaded_locally(takes_model=takes_model))
         for module, name, takes_model in LOAD_FUNCTIONS
     ),
-    # Private: Keras's callbacks' file calls on a bucket's URL (under a strategy).
-    *(
-        ("keras.src.utils.file_utils", name, on_the_bucket(name))
-        for name in FILE_FUNCTIONS
-    ),
+    # Private: the gfile Keras's file functions (its callbacks') send a URL to.
+    ("keras.src.utils.file_utils", "gfile", bucket_gfile),
 )
 
 PRIVATE_MODULES = ("keras.src", "jax._src", "tensorflow.python", "orbax")

@@ -14,9 +14,9 @@ file from a local copy, downloaded whole. The file functions Keras's own
 callbacks call on a path (`keras.src.utils.file_utils`: `exists`,
 `makedirs`, `File`, `copy`, `rmtree`, ...) take a `gs://`/`s3://` URL
 through keras_dist's path layer (`_checkpoint/storage.py`) under a
-keras_dist strategy, so `keras.callbacks.ModelCheckpoint` and
-`keras.callbacks.BackupAndRestore` write a bucket as
-`kd.callbacks`'s do. Anywhere else they are Keras's own (whose only
+keras_dist strategy (`BucketGfile`, in place of the `gfile` they call), so
+`keras.callbacks.ModelCheckpoint` and `keras.callbacks.BackupAndRestore`
+write a bucket as `kd.callbacks`'s do. Anywhere else they are Keras's own (whose only
 remote route is TensorFlow's gfile).
 """
 
@@ -34,7 +34,7 @@ from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._model import _strategy_for
 from keras_dist._seams._trainer import current_strategy
 
-__all__ = ["loaded_locally", "on_the_bucket", "saved_once"]
+__all__ = ["BucketGfile", "bucket_gfile", "loaded_locally", "saved_once"]
 
 
 def _on_a_bucket(filepath) -> bool:
@@ -127,7 +127,75 @@ def loaded_locally(*, takes_model: bool) -> Callable:
     return wrap
 
 
-# Keras's `file_utils` functions on a bucket, by name: the path layer's.
+class BucketGfile:
+    """Keras's `file_utils.gfile` (TensorFlow's gfile, imported when first
+    used), with a `gs://`/`s3://` URL under a keras_dist strategy taken by
+    keras_dist's path layer instead.
+
+    Keras's file functions (`file_utils.exists`, `makedirs`, `File`, `copy`,
+    `rmtree`, ...), which its `ModelCheckpoint` and `BackupAndRestore` call,
+    send every URL to `gfile` if `gfile.available`. Another URL, or without
+    a strategy: TensorFlow's gfile, as in Keras (without TensorFlow, under a
+    strategy: the path layer, as the next Keras's etils.epath; without a
+    strategy: Keras's own handling).
+    """
+
+    def __init__(self, gfile):
+        self._gfile = gfile
+
+    @property
+    def available(self) -> bool:
+        # Keras asks before each call on a URL: under a strategy the call
+        # decides (`_route`); else TensorFlow's, as Keras's own.
+        return current_strategy() is not None or self._gfile.available
+
+    def _route(self, name: str, path, *args, **kwargs):
+        if _on_a_bucket(path) and current_strategy() is not None:
+            path = storage.check(path, argument="filepath")
+        elif self._gfile.available:
+            return getattr(self._gfile, name)(path, *args, **kwargs)
+        # A bucket, or (no TensorFlow) another URL fsspec serves: the path
+        # layer, on etils.epath as the next Keras does without TensorFlow.
+        return _ON_THE_BUCKET[name](path, *args, **kwargs)
+
+    def exists(self, path):
+        return self._route("exists", path)
+
+    def isdir(self, path):
+        return self._route("isdir", path)
+
+    def makedirs(self, path):
+        return self._route("makedirs", path)
+
+    def listdir(self, path):
+        return self._route("listdir", path)
+
+    def remove(self, path):
+        return self._route("remove", path)
+
+    def rmtree(self, path):
+        return self._route("rmtree", path)
+
+    def copy(self, src, dst, overwrite=False):
+        return self._route("copy", src, dst, overwrite=overwrite)
+
+    def GFile(self, path, mode="r"):  # gfile's name
+        return self._route("GFile", path, mode)
+
+    def join(self, path, *paths):
+        return self._route("join", path, *paths)
+
+    def __getattr__(self, name: str):  # Anything else: TensorFlow's.
+        return getattr(self._gfile, name)
+
+
+def _copy(source: str, destination, *, overwrite: bool = False) -> None:
+    if not overwrite and storage.exists(destination):
+        raise FileExistsError(f"{destination} exists (overwrite=False)")
+    storage.copy(source, destination)
+
+
+# gfile's functions on a bucket, by name: the path layer's.
 _ON_THE_BUCKET: dict[str, Callable] = {
     "exists": storage.exists,
     "isdir": storage.isdir,
@@ -135,25 +203,12 @@ _ON_THE_BUCKET: dict[str, Callable] = {
     "listdir": storage.listdir,
     "remove": storage.remove,
     "rmtree": storage.rmtree,
-    "copy": storage.copy,
-    "File": storage.open_file,
+    "copy": _copy,
+    "GFile": storage.open_file,
     "join": storage.join,
 }
 
 
-def on_the_bucket(name: str) -> Callable:
-    """The wrap of Keras's `file_utils.<name>` (a path first): a bucket's
-    URL through the path layer under a keras_dist strategy."""
-    ours = _ON_THE_BUCKET[name]
-
-    def wrap(original: Callable) -> Callable:
-        @functools.wraps(original)
-        def wrapper(path, *args, **kwargs):
-            if _on_a_bucket(path) and current_strategy() is not None:
-                return ours(storage.check(path, argument="filepath"), *args, **kwargs)
-            return original(path, *args, **kwargs)
-
-        marked(wrapper, original)
-        return wrapper
-
-    return wrap
+def bucket_gfile(original) -> BucketGfile:
+    """The seam's wrap of Keras's `file_utils.gfile`."""
+    return marked(BucketGfile(original), original)
