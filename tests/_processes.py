@@ -36,8 +36,8 @@ def by_hand(
                     "task": {"type": "worker", "index": index},
                 }
             ),
-            **(env or {}),
         )
+        environ.update(env or {})  # May change the two above.
         processes.append(
             subprocess.Popen(
                 [*prefix, sys.executable, str(script), *map(str, args)],

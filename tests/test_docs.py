@@ -187,6 +187,40 @@ def test_multi_host_guide_keras_dist_run_command_trains_on_two_processes(tmp_pat
     ]
 
 
+# What TensorFlow prints when it is imported (its C++ start-up lines).
+TENSORFLOW_START_UP = (
+    "oneDNN custom operations",
+    "absl::InitializeLog",
+    "cpu_feature_guard",
+    "TensorFlow binary is optimized",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_the_multi_host_example_by_tf_config_imports_no_tensorflow(tmp_path):
+    """As on real hosts (TF_CONFIG, `python` on each, no launcher), on a
+    machine with TensorFlow installed: the example never imports it (the
+    processes agree on a seed without it), so none of its start-up lines."""
+    from tests._processes import by_hand
+
+    results = by_hand(
+        ROOT / "examples" / "multi_worker_digits.py",
+        args=("--epochs", "1", "--workdir", tmp_path),
+        env={"TF_CPP_MIN_LOG_LEVEL": "0", "PYTHONPATH": str(ROOT / "examples")},
+        timeout=240,
+    )
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0, out[-2000:] + err[-3000:]
+        assert f"process {rank}: test accuracy" in out
+        said = [
+            line
+            for line in err.splitlines()
+            if any(s in line for s in TENSORFLOW_START_UP)
+        ]
+        assert said == [], said
+
+
 def _mixed_precision_blocks() -> list[str]:
     return python_blocks(GUIDES / "mixed-precision.md")
 

@@ -10,6 +10,9 @@ called with and those a loss passes its function. Imports nothing of keras_dist:
 any layer may call these.
 """
 
+import importlib.abc
+import importlib.util
+import sys
 from typing import Any
 
 import keras
@@ -26,6 +29,7 @@ __all__ = [
     "optimizer_trainable_variables",
     "set_initial_epoch",
     "set_learning_rate_object",
+    "set_random_seed",
     "step_counter",
     "sync_state",
     "track_variable",
@@ -108,6 +112,72 @@ def global_seed() -> int | None:
     from keras.src.utils.rng_utils import get_random_seed
 
     return get_random_seed()
+
+
+def set_random_seed(seed: int) -> None:
+    """`keras.utils.set_random_seed(seed)` without importing TensorFlow.
+
+    Keras's sets TensorFlow's seed too (for tf.data's shuffles) whenever
+    TensorFlow is installed, importing it: seconds of start-up and its
+    start-up lines in a program that never uses it. Here TensorFlow's seed
+    is set now if the program has imported TensorFlow, else right after it
+    does (a finder on `sys.meta_path`, once).
+    """
+    if sys.modules.get("tensorflow") is not None:
+        keras.utils.set_random_seed(seed)
+        return
+    from keras.src.utils import rng_utils
+
+    tensorflow = rng_utils.tf
+    rng_utils.tf = _NotImported()
+    try:
+        keras.utils.set_random_seed(seed)
+    finally:
+        rng_utils.tf = tensorflow
+    if "tensorflow" not in sys.modules:  # None: the program blocked it.
+        for finder in [f for f in sys.meta_path if isinstance(f, _SeedOnImport)]:
+            sys.meta_path.remove(finder)
+        sys.meta_path.insert(0, _SeedOnImport(seed))
+
+
+class _NotImported:
+    """Keras's lazy TensorFlow module, as Keras sees it when TensorFlow is
+    not installed."""
+
+    available = False
+
+
+class _SeedOnImport(importlib.abc.MetaPathFinder):
+    """Sets TensorFlow's global seed right after `import tensorflow` runs."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "tensorflow":
+            return None
+        sys.meta_path.remove(self)  # Once; the search below without it.
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _SeedingLoader(spec.loader, self.seed)
+        return spec
+
+
+class _SeedingLoader(importlib.abc.Loader):
+    """TensorFlow's own loader, then `tf.random.set_seed`."""
+
+    def __init__(self, loader, seed: int):
+        self._loader, self._seed = loader, seed
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        module.random.set_seed(self._seed)
+
+    def __getattr__(self, name: str):  # Resources, source: the loader's.
+        return getattr(self._loader, name)
 
 
 def sync_state(model) -> None:

@@ -57,6 +57,10 @@ PRIVATE_IMPORTS: tuple = (
     # _access.global_seed: whether `keras.utils.set_random_seed` was called
     # (processes then need not agree on one); no public getter.
     ("keras.src.utils.rng_utils", "get_random_seed"),
+    # _access.set_random_seed: the lazy TensorFlow module Keras's
+    # `set_random_seed` imports TensorFlow through (to seed tf.data), stood
+    # in for while keras_dist seeds a program that has not imported it.
+    ("keras.src.utils", "rng_utils"),
     # _variables: the class whose operators read a variable's value into a
     # computation (`keras.Variable` is its backend subclass).
     ("keras.src.backend.common.variables", "Variable"),

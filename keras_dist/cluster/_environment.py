@@ -78,14 +78,24 @@ def first_host(nodelist: str) -> str:
     return hosts[0]
 
 
-def port_from_environment() -> int:
-    """`$KERAS_DIST_PORT`, or 12345 when unset.
+# A SLURM job's coordinator port when none is given: JAX's own rule for
+# SLURM (`jax._src.clusters.slurm_cluster`), so two jobs sharing a node do not
+# meet on one port.
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 61440, 4096
+
+
+def port_from_environment(slurm_job: str | None = None) -> int:
+    """`$KERAS_DIST_PORT`; else, for SLURM job `slurm_job`, a port derived
+    from it (`61440 + job % 4096`, as JAX derives it); else 12345.
 
     Raises:
-        ClusterConfigError: if it is not a port number in 1..65535.
+        ClusterConfigError: if `$KERAS_DIST_PORT` is not a port number in
+            1..65535.
     """
     text = os.environ.get("KERAS_DIST_PORT", "").strip()
     if not text:
+        if slurm_job is not None and slurm_job.isdigit():
+            return SLURM_PORT_BASE + int(slurm_job) % SLURM_PORT_SPAN
         return DEFAULT_PORT
     if not text.isdigit() or not 0 < int(text) < 65536:
         raise ClusterConfigError(
@@ -100,7 +110,9 @@ class SlurmClusterResolver(ClusterResolver):
     """The cluster of a SLURM job step: one process per task.
 
     Reads `SLURM_PROCID`, `SLURM_NTASKS` and the node list; the coordinator is
-    the first node, on `port` (default `$KERAS_DIST_PORT` or 12345). A
+    the first node, on `port` (default `$KERAS_DIST_PORT`, else a port derived
+    from `SLURM_JOB_ID` as JAX derives it: `61440 + job % 4096`, so jobs that
+    share a node do not share a port). A
     `ClusterResolver` (so `isinstance` and `dataclasses.replace` work).
 
     Example:
@@ -117,8 +129,9 @@ class SlurmClusterResolver(ClusterResolver):
             reading the environment (as `dataclasses.replace` does).
 
     Raises:
-        ClusterConfigError: when not inside a SLURM job step, or the values
-            are inconsistent or unreadable.
+        ClusterConfigError: when not inside a SLURM job step (e.g. in the
+            batch script itself, not under `srun`), or the values are
+            inconsistent or unreadable.
     """
 
     def __init__(self, port: int | None = None, **fields: Any) -> None:
@@ -143,10 +156,19 @@ def _slurm_fields(port: int | None) -> dict:
             f"SLURM_PROCID={env.get('SLURM_PROCID')!r}, "
             f"SLURM_NTASKS={env.get('SLURM_NTASKS')!r}."
         ) from None
+    job = env.get("SLURM_JOB_ID")
+    if job and "SLURM_STEP_ID" not in env and not env.get("SLURM_STEP_NODELIST"):
+        raise ClusterConfigError(
+            f"This process runs in SLURM job {job}'s batch script, not as one of "
+            f"its {num_processes} tasks (SLURM_STEP_ID is not set): nothing else "
+            "would join it. Start the tasks with `srun`, e.g. `srun python "
+            "train.py` in the batch script (one process per task; srun sets "
+            "each task's SLURM_PROCID)."
+        )
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise ClusterConfigError("SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is not set.")
-    port = port_from_environment() if port is None else port
+    port = port_from_environment(job) if port is None else port
     address = f"{first_host(nodelist)}:{port}"
     check_processes(address, num_processes, process_id)
     return {

@@ -1,5 +1,7 @@
 """`kd.cluster.initialize` fails with named errors, within its timeout, never aborts."""
 
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -77,3 +79,59 @@ def test_a_two_process_cluster_joins():
     results = [_finish(p) for p in processes]
     assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
     assert "joined 1 of 2" in results[0][1] and "joined 0 of 2" in results[1][1]
+
+
+def _tf_config_process(workers: list[str], index: int) -> subprocess.Popen:
+    """psum_script.py as a scheduler starts it: its TF_CONFIG, one device."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
+    }
+    environ.update(
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        TF_CONFIG=json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        ),
+    )
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT.with_name("psum_script.py"))],
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_a_process_of_another_job_on_the_coordinators_port_is_told_apart():
+    """Two jobs by TF_CONFIG on ports chosen by hand; a process of a third
+    description (another cluster, the same coordinator address, as a copied
+    TF_CONFIG gives) reaches job 1's coordinator while it waits for its
+    peer: that process gets the error naming the port and both jobs, job 1
+    never sees it and trains, and job 2 on its own port too."""
+    first = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    second = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    chief = _tf_config_process(first, 0)
+    job_2 = [_tf_config_process(second, rank) for rank in (0, 1)]
+    stray = _tf_config_process([first[0], f"127.0.0.1:{free_port()}"], 1)
+    code, _, err = _finish(stray)
+    assert code == 1, err[-3000:]
+    port = first[0].rsplit(":", 1)[1]
+    assert (
+        f"ClusterConfigError: The coordinator's port {port} on 127.0.0.1 belongs "
+        "to another job (tf_config-"
+    ) in err
+    assert "this process is of job tf_config-" in err
+    assert "Two jobs on one host need two ports" in err
+    peer = _tf_config_process(first, 1)
+    for rank, process in enumerate([chief, peer]):
+        code, out, err = _finish(process)
+        assert code == 0, err[-3000:]
+        assert f"rank {rank} of 2: 2 devices, sum 3" in out
+    for rank, process in enumerate(job_2):
+        code, out, err = _finish(process)
+        assert code == 0, err[-3000:]
+        assert f"rank {rank} of 2: 2 devices, sum 3" in out

@@ -155,6 +155,44 @@ def test_slurm_resolver(monkeypatch):
         kd.cluster.SlurmClusterResolver()
 
 
+def test_a_slurm_jobs_port_comes_from_its_job_unless_one_is_given(monkeypatch):
+    """Jobs sharing a node get different ports, as JAX derives them."""
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[0-1]")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv("KERAS_DIST_PORT", raising=False)
+    addresses = {}
+    for job in ("4101", "4102"):
+        monkeypatch.setenv("SLURM_JOB_ID", job)
+        addresses[job] = kd.cluster.SlurmClusterResolver().coordinator_address
+    assert addresses == {"4101": "node0:61445", "4102": "node0:61446"}
+    monkeypatch.setenv("KERAS_DIST_PORT", "23456")
+    assert kd.cluster.SlurmClusterResolver().coordinator_address == "node0:23456"
+    assert kd.cluster.SlurmClusterResolver(port=2000).coordinator_address == (
+        "node0:2000"
+    )
+
+
+def test_the_batch_script_of_a_slurm_job_is_told_to_use_srun(monkeypatch):
+    """`python train.py` in the batch script (SLURM_PROCID=0, the job's task
+    count, no step): an error at once, not a wait for tasks never started."""
+    for name in ("TF_CONFIG", "SLURM_STEP_ID", "SLURM_STEP_NODELIST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4101")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[0-1]")
+    with pytest.raises(ClusterConfigError) as raised:
+        kd.cluster.resolve()
+    assert str(raised.value) == (
+        "This process runs in SLURM job 4101's batch script, not as one of its 2 "
+        "tasks (SLURM_STEP_ID is not set): nothing else would join it. Start the "
+        "tasks with `srun`, e.g. `srun python train.py` in the batch script (one "
+        "process per task; srun sets each task's SLURM_PROCID)."
+    )
+
+
 def test_resolution_order(monkeypatch):
     for name in ("TF_CONFIG", "SLURM_PROCID", "SLURM_NTASKS", "KERAS_DIST_COORDINATOR"):
         monkeypatch.delenv(name, raising=False)

@@ -9,7 +9,6 @@ and lay their mesh over every device of every process.
 import random
 
 import jax
-import keras
 
 from keras_dist._private_api import _access
 from keras_dist.cluster import _initialize, _sync
@@ -69,4 +68,6 @@ def agree_on_seed() -> None:
     seed = _sync.broadcast_from_chief(
         "random-seed", random.SystemRandom().randrange(2**31)
     )
-    keras.utils.set_random_seed(seed)
+    # Keras's `set_random_seed`, TensorFlow's seed set only once the program
+    # imports TensorFlow (not imported here: seconds, and its start-up lines).
+    _access.set_random_seed(seed)
