@@ -20,6 +20,7 @@ __all__ = [
     "Watch",
     "at_step",
     "failure_record",
+    "silent_line",
 ]
 
 # The launcher's exit status after a hang (as `timeout` exits).
@@ -77,6 +78,22 @@ def at_step(step: int | None) -> str:
     return f" at step {step:,}" if step else ""
 
 
+def silent_line(rank: int, host: str | None, step: int | None, seconds: float) -> str:
+    """How a frozen process is named, by the launcher and, without it, by
+    its peers (`keras_dist/cluster/_heartbeat.py`): "process 1 (node1)
+    stopped answering at step 420 (no heartbeat for 61 s)"."""
+    on = f" ({host})" if host else ""
+    return (
+        f"process {rank}{on} stopped answering{at_step(step)} "
+        f"(no heartbeat for {seconds:.0f} s)"
+    )
+
+
+# A heartbeat older than this while every process stalls: that process is
+# frozen (it beats four times a second), not merely waiting.
+_STALE_S = 5.0
+
+
 class Watch:
     """Reads the heartbeats of `n` processes; names one that is hung.
 
@@ -124,14 +141,7 @@ class Watch:
         beats = self.beats()
         for rank in running:
             if rank in beats and beats[rank][0] > self.heartbeat_timeout:
-                age = beats[rank][0]
-                step = _where(beats, rank)
-                return Failure(
-                    rank,
-                    f"process {rank} stopped answering{at_step(step)} "
-                    f"(no heartbeat for {age:.0f} s)",
-                    HUNG,
-                )
+                return self._silent(beats, rank)
         if self.hang_timeout is None or not running:
             return None
         if any(rank not in beats for rank in running):
@@ -144,6 +154,10 @@ class Watch:
         stalled = now - self._progress_since
         if stalled <= self.hang_timeout:
             return None
+        # A process whose heartbeat is silent too is frozen: it, not the hang.
+        stale = [rank for rank in running if beats[rank][0] > _STALE_S]
+        if stale:
+            return self._silent(beats, max(stale, key=lambda rank: beats[rank][0]))
         behind = min(progress)
         laggards = [r for r, p in zip(running, progress, strict=True) if p == behind]
         rank = laggards[0]
@@ -155,6 +169,12 @@ class Watch:
                 f"process {rank} made no progress for {stalled:.0f} s{where}, "
                 "behind the others, which wait for it (a hang)"
             )
+        return Failure(rank, line, HUNG)
+
+    @staticmethod
+    def _silent(beats: dict, rank: int) -> Failure:
+        age, payload = beats[rank]
+        line = silent_line(rank, payload.get("host"), _where(beats, rank), age)
         return Failure(rank, line, HUNG)
 
 

@@ -11,12 +11,13 @@ CLUSTER = pathlib.Path(__file__).parent / "cluster"
 
 
 def by_hand(
-    script, env=None, timeout=120, args=(), prefix=()
+    script, env=None, timeout=120, args=(), prefix=(), wait_for=(0, 1)
 ) -> list[tuple[int, str, str]]:
     """2 processes of `script` (with `args`), one CPU device each, started
     as a scheduler starts them (each its TF_CONFIG, no launcher), each
     command after `prefix`: each one's (status, stdout, stderr); none
-    outlives the call."""
+    outlives the call. Once the processes in `wait_for` ended, the other is
+    SIGKILLed (e.g. one that stopped itself)."""
     from keras_dist.launch import free_port
 
     workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
@@ -48,7 +49,12 @@ def by_hand(
             )
         )
     try:
-        outputs = [p.communicate(timeout=timeout) for p in processes]
+        outputs = {i: processes[i].communicate(timeout=timeout) for i in wait_for}
+        for i, p in enumerate(processes):
+            if i not in outputs:
+                p.kill()
+                outputs[i] = p.communicate(timeout=30)
+        outputs = [outputs[i] for i in range(len(processes))]
     finally:
         for p in processes:
             if p.poll() is None:

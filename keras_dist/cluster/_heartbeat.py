@@ -21,22 +21,56 @@ each stood. A process that ends on an uncaught exception writes
 launcher compares across restarts: the same error at the same step twice is
 not something a restart fixes. A process that exits writes its heartbeat
 once more, so its last steps are counted however soon after them it ends.
-Without the launcher: nothing.
+
+Without the launcher (a scheduler started the processes: TF_CONFIG, SLURM),
+the same beat goes through JAX's coordination service instead (its
+key-value store: `keras_dist/beat/<process>`, once a second; `PeerWatch`),
+and every process watches the next one (process `p` watches `p + 1`, the
+last watches 0: each is watched once, and the store's traffic grows with
+the processes, not their square). A peer silent for
+`$KERAS_DIST_HEARTBEAT_TIMEOUT` seconds (default 60; 0: off) is named -
+process, host, step, seconds silent: the launcher's line - and this process
+exits 75 (`RESTART_EXIT_CODE`: restart the job), before JAX's coordination
+service would abort a healthy process for it; a coordination service that
+stops answering names process 0, its host. A peer that failed of its own
+error (it says so in the store: `_sync.mark_exit`) ends this process with
+status 1 after a grace of `_OWN_ERROR_GRACE_S` (its own traceback, if it is
+raising the same error), so that every process of a job with a bug exits
+1 and a scheduler's highest status says "do not retry".
 """
 
 import atexit
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import socket
+import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from types import TracebackType
+from typing import Any
 
-__all__ = ["PROGRESS", "in_call", "record_failure", "set_step", "start"]
+from keras_dist.errors import ClusterConfigError
+from keras_dist_run._health import RESTART_EXIT_CODE, silent_line
+
+__all__ = [
+    "PROGRESS",
+    "PeerWatch",
+    "in_call",
+    "record_failure",
+    "set_step",
+    "start",
+    "timeout_from_environment",
+]
 
 INTERVAL_SECONDS = 0.25
+TIMEOUT_VARIABLE = "KERAS_DIST_HEARTBEAT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 60.0
+HOST = socket.gethostname()
 
 
 @dataclasses.dataclass
@@ -75,7 +109,8 @@ def _write(path: str, payload: dict) -> None:
 
 
 def start(process_id: int | None) -> None:
-    """Starts this process's heartbeat thread (once; only under the launcher)."""
+    """Starts this process's heartbeat thread (once; only under the launcher:
+    without it, `PeerWatch`)."""
     folder = _folder()
     if folder is None or process_id is None or _STARTED:
         return
@@ -135,6 +170,7 @@ class _Ledger:
             return {key: round(v - b, 3) for key, v, b in pairs}
 
         return {
+            "host": HOST,
             "step": p.step,
             "progress": p.progress,
             "in_call": p.calls > 0,
@@ -193,3 +229,153 @@ def record_failure(
             "lost_a_peer": lost_a_peer,
         },
     )
+
+
+def timeout_from_environment() -> float:
+    """`$KERAS_DIST_HEARTBEAT_TIMEOUT` in seconds (default 60; 0: off).
+
+    Raises:
+        ClusterConfigError: if it is not a number of seconds >= 0.
+    """
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and math.isfinite(value)):
+        raise ClusterConfigError(
+            f"${TIMEOUT_VARIABLE} must be a number of seconds (0 turns the "
+            f"peers' heartbeat off), e.g. 60. Received: {TIMEOUT_VARIABLE}="
+            f"{text!r}."
+        )
+    return value
+
+
+# How long a process whose peer failed of its own error lets its own
+# exception hook speak first (the processes may be raising the same error).
+_OWN_ERROR_GRACE_S = 3.0
+_BEATS = "keras_dist/beat"
+_EXITED = "keras_dist/exited"
+
+
+def _exit(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+class PeerWatch:
+    """Without the launcher: this process's heartbeat in JAX's key-value
+    store, and its watch of the next process (module docstring).
+
+    Two daemon threads: one exchanges with the store once a second (its
+    calls may block: a stopped process 0 holds the store), one judges twice
+    a second from what the first last saw, so a store that stops answering
+    is noticed too. `end` (default: flush and `os._exit`) is the test seam.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        process: int,
+        count: int,
+        timeout: float,
+        end: Callable[[int], None] = _exit,
+    ) -> None:
+        self.client, self.me, self.timeout, self.end = client, process, timeout, end
+        self.peer = (process + 1) % count
+        now = time.monotonic()
+        self.answered = now  # The store's last answer.
+        self.peer_beat: dict = {}
+        self.peer_since = now  # When the peer's beat last changed.
+        self.peer_ended = False
+        self.failed: tuple[int, str, float] | None = None  # A peer's own error.
+        self.stop = threading.Event()
+        self.sequence = 0
+
+    def start(self) -> None:
+        for target, name in ((self._exchanges, "beat"), (self._judge, "watch")):
+            threading.Thread(
+                target=target, name=f"keras_dist-peer-{name}", daemon=True
+            ).start()
+        atexit.register(self.stop.set)
+
+    def exchange(self) -> None:
+        """One round: this process's beat written, the peer's and every
+        process's exit read."""
+        self.sequence += 1
+        beat = {"sequence": self.sequence, "host": HOST, "step": PROGRESS.step}
+        self.client.key_value_set(
+            f"{_BEATS}/{self.me}", json.dumps(beat), allow_overwrite=True
+        )
+        exits = dict(self.client.key_value_dir_get(f"{_EXITED}/"))
+        try:
+            peer = json.loads(self.client.key_value_try_get(f"{_BEATS}/{self.peer}"))
+        except Exception:  # Not written yet: JAX raises its XlaRuntimeError.
+            peer = self.peer_beat
+        now = time.monotonic()
+        self.answered = now
+        if peer.get("sequence") != self.peer_beat.get("sequence"):
+            self.peer_beat, self.peer_since = peer, now
+        self.peer_ended = f"{_EXITED}/{self.peer}" in exits  # Not silent: gone.
+        for key, how in exits.items():
+            process = int(key.rsplit("/", 1)[-1])
+            if how.startswith("failed") and self.failed is None and process != self.me:
+                self.failed = (process, how, now)
+
+    def verdict(self, now: float) -> tuple[int, str] | None:
+        """(exit status, line) if this process must end, else None."""
+        if self.failed is not None and now - self.failed[2] > _OWN_ERROR_GRACE_S:
+            process, how, _ = self.failed
+            return 1, (
+                f"process {process} {how}; this process (process {self.me}) "
+                "exits 1 too: a bug is not something a restart fixes"
+            )
+        silent_for = now - self.peer_since
+        if silent_for > self.timeout and not self.peer_ended:
+            rank, beat = self.peer, self.peer_beat
+        elif now - self.answered > self.timeout and self.me != 0:
+            # The store stopped answering: process 0, which hosts it.
+            rank, beat, silent_for = 0, {}, now - self.answered
+        else:
+            return None
+        # At the step this process waits in for it, if later than its last
+        # beat's (the launcher's rule: `keras_dist_run/_health._where`).
+        step = max(beat.get("step") or 0, PROGRESS.step)
+        line = silent_line(rank, beat.get("host"), step, silent_for)
+        return RESTART_EXIT_CODE, (
+            f"{line}; this process (process {self.me}) exits "
+            f"{RESTART_EXIT_CODE} (restart the job: it resumes from its last backup)"
+        )
+
+    def _exchanges(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):  # The judge sees the silence.
+                self.exchange()
+            self.stop.wait(1.0)
+
+    def _judge(self) -> None:
+        while not self.stop.wait(0.5):
+            found = self.verdict(time.monotonic())
+            if found is not None and not self.stop.is_set():
+                status, line = found
+                print(f"keras_dist: {line}.", file=sys.stderr, flush=True)
+                how = "failed" if status == 1 else "lost a peer"
+                self._mark(f"{how} ({line.split(';')[0]})" if status == 1 else how)
+                self.end(status)
+                return
+
+    def _mark(self, how: str) -> None:
+        """This process's exit in the store (`_sync.mark_exit`), for at most
+        a second: the store may be the silent one."""
+        key = f"{_EXITED}/{self.me}"
+
+        def mark() -> None:
+            with contextlib.suppress(Exception):
+                self.client.key_value_set(key, how, allow_overwrite=True)
+
+        thread = threading.Thread(target=mark, daemon=True)
+        thread.start()
+        thread.join(1.0)

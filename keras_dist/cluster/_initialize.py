@@ -14,6 +14,7 @@ from keras_dist._backend import backend_started, jax_option, size_cpu_thread_poo
 from keras_dist._private_api import _jax_private
 from keras_dist.cluster import _heartbeat, _sync
 from keras_dist.cluster._environment import check_address, resolve, tell_launcher
+from keras_dist.cluster._heartbeat import PeerWatch, timeout_from_environment
 from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.cluster._resolver import ClusterResolver
 from keras_dist.errors import ClusterTimeoutError
@@ -70,12 +71,24 @@ def _exit_fast_on_errors() -> None:
         previous(kind, value, traceback)
         lost = lost_a_peer(value)
         _heartbeat.record_failure(kind, value, traceback, lost_a_peer=lost)
-        _sync.mark_exit("failed")
+        status = RESTART_EXIT_CODE if lost else 1
+        if lost and _sync.peers_failed(within=2.0):
+            # A peer's own error took it away: a bug, and every process of
+            # the job says so (a scheduler reads the highest status).
+            status = 1
+        step = _heartbeat.PROGRESS.step
+        at = f" at step {step:,}" if step else ""
+        _sync.mark_exit(
+            "lost a peer"
+            if lost
+            else f"failed with {kind.__name__}{at} on {_heartbeat.HOST}",
+            within=2.0,
+        )
         sys.stdout.flush()
         sys.stderr.flush()
         if not lost and jax.process_index() == 0:
             _sync.wait_for_exits(_PEERS_GRACE_S)
-        os._exit(RESTART_EXIT_CODE if lost else 1)
+        os._exit(status)
 
     sys.excepthook = hook
 
@@ -233,6 +246,9 @@ def initialize(
             "process_id": resolver.process_id,
         }
     size_cpu_thread_pool()  # Before the backend starts (jax_num_cpu_devices).
+    watch = 0.0 if resolver.source == "keras-dist-run" else timeout_from_environment()
+    if watch:  # JAX's own heartbeat must not abort a process before ours names why.
+        kwargs["heartbeat_timeout_seconds"] = max(100, int(watch) + 60)
     try:
         jax.distributed.initialize(initialization_timeout=int(timeout), **kwargs)
     except Exception as error:  # JAX raises several types for this.
@@ -246,6 +262,9 @@ def initialize(
     if resolver.source == "keras-dist-run":
         tell_launcher("joined", resolver.process_id)
         _heartbeat.start(resolver.process_id)
+    elif watch:  # No launcher: the peers watch each other (the store's beats).
+        client = _jax_private.coordination_client()
+        PeerWatch(client, jax.process_index(), jax.process_count(), watch).start()
     _exit_fast_on_errors()
     # Before JAX's shutdown barrier (registered earlier, so run later).
     atexit.register(_sync.mark_exit, "finished its program")

@@ -31,6 +31,7 @@ __all__ = [
     "channel",
     "mark_exit",
     "multi_process",
+    "peers_failed",
     "set_timeout",
     "wait_for_exits",
 ]
@@ -202,15 +203,53 @@ def _try_get(client, key: str) -> str | None:
         return None
 
 
-def mark_exit(how: str) -> None:
+def mark_exit(how: str, *, within: float | None = None) -> None:
     """Tells the other processes this one has ended (`how`: "finished its
-    program", "failed"), so that their waits for it end at once."""
+    program", "failed with ValueError, at step 12", "lost a peer"), so that
+    their waits for it end at once; `within` seconds at most (a failing
+    process: the coordination service may be the silent one)."""
     if not multi_process():
         return
     client = _jax_private.coordination_client()
-    if client is not None:
+    if client is None:
+        return
+    key = f"keras_dist/exited/{jax.process_index()}"
+
+    def mark() -> None:
         with contextlib.suppress(Exception):
-            client.key_value_set(f"keras_dist/exited/{jax.process_index()}", how)
+            client.key_value_set(key, how, allow_overwrite=True)
+
+    _bounded(mark, within)
+
+
+def _bounded(call, within: float | None) -> None:
+    """`call()`, or, with `within`, on a daemon thread for at most that long."""
+    if within is None:
+        call()
+        return
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(within)
+
+
+def peers_failed(*, within: float) -> list[int]:
+    """The other processes that ended on an error of their own (`mark_exit`
+    "failed ..."; not "lost a peer"), as the coordination service says within
+    `within` seconds (none if it does not answer)."""
+    client = _jax_private.coordination_client()
+    if not multi_process() or client is None:
+        return []
+    found: list[int] = []
+
+    def read() -> None:
+        with contextlib.suppress(Exception):
+            for key, how in client.key_value_dir_get("keras_dist/exited/"):
+                process = int(key.rsplit("/", 1)[-1])
+                if how.startswith("failed") and process != jax.process_index():
+                    found.append(process)
+
+    _bounded(read, within)
+    return sorted(found)
 
 
 def wait_for_exits(seconds: float) -> list[int]:

@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,3 +162,51 @@ def test_a_process_that_loses_a_peer_exits_with_the_restart_code(tmp_path):
     assert peer == -signal.SIGKILL, peers[-2000:]
     assert chief == kd.cluster.RESTART_EXIT_CODE == 75, said[-3000:]
     assert "Gloo all-reduce failed" in said  # The error, shown as raised.
+
+
+def test_a_frozen_peer_is_named_by_the_other_without_a_launcher(tmp_path):
+    """As a scheduler starts them (TF_CONFIG, no launcher): process 1
+    SIGSTOPs itself after step 5. Process 0, blocked in the next step's sum,
+    names it from the heartbeat the processes keep in JAX's key-value store
+    - process, host, step, seconds silent: the launcher's line - and exits
+    75 (restart the job) after `$KERAS_DIST_HEARTBEAT_TIMEOUT` (5 s here),
+    not aborted by JAX's coordination service (SIGABRT, a C++ stack)."""
+    started = time.monotonic()
+    (chief, _, said), _ = by_hand(
+        HERE / "fault_script.py",
+        args=[tmp_path],
+        env={
+            "KD_KILL_RANK": "1",
+            "KD_KILL_AT": "5",
+            "KD_FAULT": "stop",
+            "KERAS_DIST_HEARTBEAT_TIMEOUT": "5",
+        },
+        timeout=180,
+        wait_for=(0,),
+    )
+    assert chief == kd.cluster.RESTART_EXIT_CODE, said[-3000:]
+    line = re.search(
+        r"keras_dist: process 1 \((\S+)\) stopped answering at step ([0-9]+) "
+        r"\(no heartbeat for ([0-9]+) s\); this process \(process 0\) exits 75",
+        said,
+    )
+    assert line, said[-3000:]
+    assert line[1] == socket.gethostname()
+    assert 5 <= int(line[2]) <= 6 and 5 <= int(line[3]) <= 7
+    assert "Terminating process" not in said and "Check failure" not in said
+    assert time.monotonic() - started < 120
+
+
+def test_a_peers_own_error_ends_every_process_with_status_1(tmp_path):
+    """Process 1 raises a ValueError at step 5 (a bug): it exits 1, and so
+    does process 0, which only lost it (not 75: a scheduler reading the
+    highest status of the job's tasks must not retry a bug), naming it."""
+    (chief, _, said), (peer, _, peers) = by_hand(
+        HERE / "fault_script.py",
+        args=[tmp_path],
+        env={"KD_KILL_RANK": "1", "KD_KILL_AT": "5", "KD_FAULT": "raise"},
+        timeout=180,
+    )
+    assert peer == 1 and "ValueError: a bad batch at step 5" in peers, peers[-3000:]
+    assert chief == 1, said[-3000:]
+    assert "Terminating process" not in said

@@ -94,7 +94,10 @@ def test_a_stopped_process_is_named_not_the_healthy_one(tmp_path, reference):
     )
     # At the step the others wait in for it (its own last heartbeat may be
     # a second older).
-    cause = r"process 1 stopped answering at step 1[0-2] \(no heartbeat for [5-9] s\)"
+    cause = (
+        r"process 1 \([^)]+\) stopped answering at step 1[0-2] "
+        r"\(no heartbeat for [5-9] s\)"
+    )
     _assert_restarted_and_exact(result, tmp_path, reference, cause)
     assert "SIGABRT" not in result.stderr
 
