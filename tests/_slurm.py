@@ -19,7 +19,18 @@ import subprocess
 import time
 
 NODES = ("node0", "node1")
-_DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol", "unshare")
+_DAEMONS = (
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "srun",
+    "sbatch",
+    "scontrol",
+    "scancel",
+    "squeue",
+    "sinfo",
+    "unshare",
+)
 
 
 def unavailable() -> str | None:
@@ -207,3 +218,34 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait(5)
+
+    def job(self, job_id: str) -> dict:
+        """`scontrol show job`'s fields of `job_id` (JobState, ExitCode,
+        Restarts, Reason, ...)."""
+        out = self.run(["scontrol", "-o", "show", "job", job_id]).stdout
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def wait(self, job_id: str, timeout: float) -> dict:
+        """Waits for `job_id` to end (within `timeout` s); returns its fields.
+
+        SLURM holds a requeued batch job for 120 s (its BeginTime); this
+        starts it at once instead (`scontrol update ... StartTime=now`), as
+        the scheduler would 120 s later."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.job(job_id)
+            state = fields.get("JobState")
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                return fields
+            if state == "PENDING" and fields.get("Reason") == "BeginTime":
+                self.run(
+                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+                    check=False,
+                )
+            if time.monotonic() > deadline:
+                self.run(["scancel", job_id], check=False)
+                raise TimeoutError(
+                    f"SLURM job {job_id} did not end within {timeout:g} s: "
+                    f"{fields}\n{self.logs()}"
+                )
+            time.sleep(0.5)

@@ -248,7 +248,8 @@ class _KillAt(keras.callbacks.Callback):
     the loop, its threads alive), each once (a marker file), or "raise" (a
     ValueError every time at that global step: a bug a restart does not
     fix). Several steps: a SIGKILL at each of those global steps, once each
-    (failures over the restarts of one run)."""
+    (failures over the restarts of one run); with as many comma-separated
+    `how`s ("kill,stop"), each step's own fault."""
 
     def __init__(
         self,
@@ -280,6 +281,10 @@ class _KillAt(keras.callbacks.Callback):
             due, marker = step in self.steps, f"{self.marker}_{step}"
         if not due or os.path.exists(marker):
             return
+        how = self.how
+        if "," in how:  # Each step its own fault.
+            step = int(np.asarray(self.model.optimizer.iterations.value))
+            how = how.split(",")[self.steps.index(step)]
         import signal
 
         with open(marker, "w") as f:
@@ -290,9 +295,9 @@ class _KillAt(keras.callbacks.Callback):
             import shutil
 
             shutil.rmtree(self.wipe)
-        if self.how == "hang":
+        if how == "hang":
             time.sleep(600)
-        os.kill(os.getpid(), signal.SIGSTOP if self.how == "stop" else signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 
 class _PrintSteps(keras.callbacks.Callback):
