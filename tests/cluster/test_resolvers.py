@@ -1,11 +1,14 @@
 """Cluster resolvers: TF_CONFIG, SLURM, explicit, keras-dist-run, auto-detection."""
 
 import json
+import socket
+import threading
 
 import pytest
 
 import keras_dist as kd
 from keras_dist.cluster._environment import first_host
+from keras_dist.cluster._rendezvous import roll_call
 from keras_dist.errors import ClusterConfigError
 
 WORKERS = {"worker": ["host1:12345", "host2:12345", "host3:2222"]}
@@ -223,3 +226,41 @@ def test_single_process_initialize_does_nothing(monkeypatch):
     r = kd.cluster.initialize()
     assert r.num_processes == 1 and r.is_chief
     assert not kd.cluster.is_initialized()
+
+
+def _answering(reply: bytes):
+    """A server on a free loopback port that reads a line and sends `reply`
+    (what another job's JAX coordinator, gRPC, sends first)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with server, server.accept()[0] as connection:
+            connection.recv(300)
+            connection.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def test_a_peer_reaching_something_else_on_the_port_is_told_so():
+    """Not a decode error: the port, what answered and how to fix it."""
+    port = _answering(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00\xfe\xff")
+    resolver = kd.cluster.SimpleClusterResolver(f"127.0.0.1:{port}", 2, 1)
+    with pytest.raises(
+        ClusterConfigError,
+        match=rf"Something other than a keras_dist coordinator answers on port "
+        rf"{port} of 127\.0\.0\.1 .*answered b'\\x00.*Give this job its own port",
+    ):
+        roll_call(resolver, timeout=10)
+
+
+def test_a_coordinator_port_held_by_another_program_is_named():
+    busy = socket.create_server(("127.0.0.1", 0))
+    port = busy.getsockname()[1]
+    resolver = kd.cluster.SimpleClusterResolver(f"127.0.0.1:{port}", 2, 0)
+    with busy, pytest.raises(
+        ClusterConfigError,
+        match=rf"Process 0 cannot listen on the coordinator's port {port} .*"
+        "another job's coordinator on this host",
+    ):
+        roll_call(resolver, timeout=10)
