@@ -3,6 +3,7 @@
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 from keras_dist._private_api import _jax_private
@@ -74,6 +75,26 @@ def cpu_devices_requested() -> int:
         return int(configured)
     found = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else 1
+
+
+def warn_missing_cpu_devices(found: int) -> None:
+    """Warns, naming the fix, when `XLA_FLAGS` asks for more CPU devices
+    than JAX made (`found`): JAX reads it once, when it starts, so it was
+    set after (a notebook's cells run out of order)."""
+    flags = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))
+    if not flags or int(flags[-1]) <= found or jax_option("jax_num_cpu_devices") > 0:
+        return
+    asked = int(flags[-1])
+    warnings.warn(
+        f"XLA_FLAGS asks for {asked} CPU devices "
+        f"(--xla_force_host_platform_device_count={asked}), but JAX has {found}: "
+        "it started before XLA_FLAGS was set, and reads it only when it starts. "
+        "Set XLA_FLAGS before the first JAX or Keras computation (in a "
+        "notebook: in the first cell, then restart the kernel and run it "
+        "first).",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def available_cores() -> int:

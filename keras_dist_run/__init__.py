@@ -583,8 +583,9 @@ class _Cluster:
             for p in self.processes
             if p is not self.workers[failure.rank]
         )
+        others = f"stopping the other {running}" if running else "no other was running"
         print(
-            f"keras-dist-run: {failure.line}; stopping the other {running}.",
+            f"keras-dist-run: {failure.line}; {others}.",
             file=sys.stderr,
             flush=True,
         )

@@ -107,8 +107,11 @@ def table(result: dict) -> str:
     """`account`'s result as the launcher prints it."""
     wall = result["wall_s"] or 1.0
     restarts = result["restarts"]
+    # The headline's share is the productive row's, rounded once (the JSON's
+    # `goodput`, rounded on its own, could print 0.1 apart).
+    productive = 100 * result["seconds"]["productive"] / wall
     head = (
-        f"keras-dist-run: goodput {100 * (result['goodput'] or 0):.1f}% of "
+        f"keras-dist-run: goodput {productive:.1f}% of "
         f"{result['wall_s']:.1f} s ({restarts} restart{'s' * (restarts != 1)}, "
         f"{result['lost_steps']} steps lost)"
     )

@@ -7,6 +7,7 @@ port): tests/cluster/test_launch.py.
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -118,6 +119,7 @@ def test_fit_on_arrays_imports_tensorflow_no_more_than_keras(tmp_path):
     compiled metrics and a backup, neither."""
     code = f"""
 import sys
+import warnings
 import keras_dist as kd
 import keras, numpy as np
 
@@ -145,3 +147,28 @@ print("keras_dist", "tensorflow" in sys.modules)
     result = _python(code, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split("\n")[-3:] == ["keras False", "keras_dist False", ""]
+
+
+def test_xla_flags_set_after_jax_started_is_named(monkeypatch):
+    """A notebook cell setting XLA_FLAGS after JAX started (cells run out of
+    order): `MirroredStrategy()` would train on the devices JAX has, with a
+    warning saying why and how to get the devices asked for."""
+    import jax
+
+    import keras_dist as kd
+
+    found = jax.local_device_count()
+    monkeypatch.setenv(
+        "XLA_FLAGS", f"--xla_force_host_platform_device_count={found * 2}"
+    )
+    with pytest.warns(
+        UserWarning,
+        match=rf"XLA_FLAGS asks for {found * 2} CPU devices .*but JAX has {found}: "
+        r"it started before XLA_FLAGS was set.*restart the kernel",
+    ):
+        strategy = kd.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == found
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count={found}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kd.MirroredStrategy()  # As asked: nothing to say.

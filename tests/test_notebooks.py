@@ -326,6 +326,26 @@ def test_notebook_opens_in_colab_from_its_badge(name):
 
 
 @pytest.mark.source_checks
+def test_the_tpu_notebook_imports_tensorflow_after_jax_has_the_tpu():
+    """Colab's full TensorFlow claims the TPU when imported before JAX gets
+    it (the TPU guide): no cell before the strategy's imports it."""
+    cells = nbformat.read(NOTEBOOKS / "tpu_colab.ipynb", as_version=4).cells
+    code = [c.source for c in cells if c.cell_type == "code"]
+    strategy = next(i for i, s in enumerate(code) if "TPUClusterResolver()" in s)
+    imports = [
+        i
+        for i, source in enumerate(code)
+        if any(
+            alias.name.split(".")[0] == "tensorflow"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        )
+    ]
+    assert imports and min(imports) > strategy, (strategy, imports)
+
+
+@pytest.mark.source_checks
 @pytest.mark.parametrize("name", NAMES)
 def test_install_cell_is_the_same_in_every_notebook_but_what_it_installs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
@@ -464,6 +484,22 @@ KEPT = "kept as installed: tensorflow==2.19.0, jax==0.12.0.1, jaxlib==0.12.0.1"
                 "kept as installed: nothing",
             ],
         ),
+        # An older keras-hub on the image: the pinned one replaces it.
+        (
+            "finetune_llm.ipynb",
+            {"keras-hub": "0.21.1"},
+            [
+                f"{PIP} 'keras-dist[hub] @ {GIT}'",
+                f"{PIP} --no-deps keras-hub==0.32.0",
+                KEPT,
+            ],
+        ),
+        # KD_INSTALL_FROM a checkout's path: installed from its file URL.
+        (
+            "digits_mirrored.ipynb",
+            {"install_from": "checkout"},
+            [f"{PIP} 'keras-dist[demo] @ file://{{tmp_path}}/checkout'", KEPT],
+        ),
     ],
     ids=[
         "colab-digits",
@@ -474,6 +510,8 @@ KEPT = "kept as installed: tensorflow==2.19.0, jax==0.12.0.1, jaxlib==0.12.0.1"
         "tpu-runtime-without-libtpu",
         "tpu-runtime-with-libtpu",
         "bare-old-jax",
+        "older-keras-hub",
+        "install-from-a-path",
     ],
 )
 def test_install_cell_on_a_simulated_colab(name, runtime, printed, tmp_path):
@@ -490,6 +528,8 @@ def test_install_cell_on_a_simulated_colab(name, runtime, printed, tmp_path):
         packages["jaxlib"] = ("jaxlib", runtime["jax"])
     if runtime.get("libtpu"):
         packages["libtpu"] = ("libtpu", "0.0.30")
+    if "keras-hub" in runtime:
+        packages["keras-hub"] = ("keras_hub", runtime["keras-hub"])
     env = {
         k: v
         for k, v in os.environ.items()
@@ -500,6 +540,9 @@ def test_install_cell_on_a_simulated_colab(name, runtime, printed, tmp_path):
         KD_INSTALL_DRY_RUN="1",
         **({"TPU_ACCELERATOR_TYPE": "v5litepod-1"} if runtime.get("tpu") else {}),
     )
+    if "install_from" in runtime:  # A relative path, as a user types it.
+        (tmp_path / runtime["install_from"]).mkdir()
+        env["KD_INSTALL_FROM"] = runtime["install_from"]
     source = _install_cell(nbformat.read(NOTEBOOKS / name, as_version=4))
     result = subprocess.run(
         [_python_312(), "-S", "-c", source],
@@ -510,7 +553,9 @@ def test_install_cell_on_a_simulated_colab(name, runtime, printed, tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == printed
+    assert result.stdout.splitlines() == [
+        line.replace("{tmp_path}", str(tmp_path)) for line in printed
+    ]
     assert "ERROR" not in result.stdout + result.stderr
 
 

@@ -218,6 +218,7 @@ SIGNATURES: dict[str, tuple] = {
     # Not a function: the lazy stand-in for TensorFlow's gfile module that
     # Keras's file functions send a URL to (its class and module name).
     "gfile": ("LazyModule", "tensorflow.io.gfile"),
+    "device_scope": ("device_name",),
     # Keras 3.15, then the nightly (its super-batches of `steps_per_execution`).
     "_distribute_data": (("data", "layouts"), ("data", "layouts", "is_super_batch")),
     # The nightly's `_get_iterator` (`_releases.MOVED`) takes no distribution.
@@ -412,6 +413,7 @@ def check_signatures(originals: dict[str, Any]) -> list[str]:
             function = function.fget
         if function is None:
             continue  # Reported as missing by `seams()`.
+        found: tuple[Any, ...]
         if callable(function):
             found = tuple(inspect.signature(function).parameters)
         else:  # An object standing for a module (gfile): what it is.

@@ -1,11 +1,10 @@
 """The mark on a wrapper keras_dist installs in place of a Keras function."""
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 __all__ = ["marked"]
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+_F = TypeVar("_F")  # A function, or an object standing for a module (gfile).
 
 # Set by name: a function attribute its declared type does not have.
 _MARK = "_keras_dist_wrapped"

@@ -43,7 +43,10 @@ trainer's `fit`):
    is checked to be the same call on every process (else an error instead
    of a hang), non-chief processes do not print or log, `fit` shares the
    chief's NumPy random state (same shuffling), `predict` outputs are
-   gathered on every process.
+   gathered on every process, and each of these calls returns on every
+   process once every process's callbacks have ended it (`_model.py`: the
+   chief's files complete). `keras.device("cpu:0")` (Keras's private
+   `device_scope`) opens this process's first CPU, not process 0's.
 
 5. **Optimizer state laid out by the strategy** (`_optimizer.py`): slots
    are created with the strategy's `state_layout.slot_layout` (ZeRO-1 shards them
@@ -132,6 +135,7 @@ from keras_dist._seams._optimizer import (
     _check_finite,
     _stateless_apply,
 )
+from keras_dist._seams._processes import local_device_scope
 from keras_dist._seams._save_calls import bucket_gfile, loaded_locally, saved_once
 from keras_dist._seams._trainer import (
     BATCH_HOOKS,
@@ -282,6 +286,8 @@ _SEAMS: tuple = (
     ),
     # Private: the gfile Keras's file functions (its callbacks') send a URL to.
     ("keras.src.utils.file_utils", "gfile", bucket_gfile),
+    # Private: the device scope `keras.device` opens (a process's own device).
+    ("keras.src.backend", "device_scope", local_device_scope),
 )
 
 PRIVATE_MODULES = ("keras.src", "jax._src", "tensorflow.python", "orbax")

@@ -12,7 +12,7 @@ from keras_dist._checks import check_int
 from keras_dist._private_api._wrapped import marked
 from keras_dist._seams._processes import prepare_call
 from keras_dist._seams._trainer import current_strategy
-from keras_dist.cluster import _heartbeat
+from keras_dist.cluster import _heartbeat, _sync
 from keras_dist.data import _call
 from keras_dist.errors import StrategyMismatchError
 from keras_dist.strategies._base import Strategy
@@ -26,6 +26,7 @@ from keras_dist.training._call_checks import check_call
 __all__ = ["_entry_point", "_step_builder"]
 
 _BATCH_ARGS = ("batch_size", "validation_batch_size")
+_WITH_CALLBACKS = ("fit", "evaluate", "predict")
 _OTHER_STRATEGY_FIX = (
     "Run it under its own strategy (call it outside any `strategy.scope()`: "
     "the model runs where it was built), or, to move it, build and compile a "
@@ -70,10 +71,21 @@ def _entry_point(method: Callable) -> Callable:
                 stack.enter_context(strategy.scope())
             snapshot = [(v, v._value) for v in model_variables(model)]
             try:
-                return method(model, *args, **kwargs)
+                result = method(model, *args, **kwargs)
             except BaseException:
                 _reattach(model, snapshot)
                 raise
+        if strategy.spans_processes and method.__name__ in _WITH_CALLBACKS:
+            # Every process returns when every process's callbacks have ended
+            # the call (the chief's last checkpoint, CSV row, deleted backup),
+            # as `model.save` returns when the file is complete: a program
+            # reading those files after `fit`, on any process, finds them.
+            _sync.allgather(
+                f"{method.__name__}-returns",
+                None,
+                rule="Every process calls fit, evaluate and predict alike.",
+            )
+        return result
 
     marked(wrapper, method)
     return wrapper

@@ -31,10 +31,11 @@ import jax
 import keras
 import numpy as np
 
+from keras_dist._private_api._wrapped import marked
 from keras_dist.cluster import _sync
 from keras_dist.errors import ProcessMismatchError
 
-__all__ = ["prepare_call"]
+__all__ = ["local_device_scope", "prepare_call"]
 
 _CHECKED_ARGS = (
     "batch_size",
@@ -242,3 +243,26 @@ def _follower(callback):
         follower.verbose = 0
     weakref.finalize(follower, shutil.rmtree, scratch, True)
     return follower
+
+
+def local_device_scope(original):
+    """Keras's `device_scope` (what `keras.device` opens): with several
+    processes, `"cpu:0"` is this process's first CPU, as `/cpu:0` is each
+    worker's own on tf.distribute, not JAX's global device 0 (process 0's,
+    whose arrays this process can neither write nor read: a `PyDataset`
+    making its batches under `keras.device("cpu:0")` failed on every other
+    process). A `jax.Device`, or an index past this process's devices, is
+    Keras's."""
+
+    def device_scope(device_name):
+        if isinstance(device_name, str) and jax.process_count() > 1:
+            kind, _, index = device_name.lower().partition(":")
+            try:
+                local = jax.local_devices(backend=kind)
+            except RuntimeError:  # No such backend: Keras says so.
+                local = []
+            if (index or "0").isdigit() and int(index or 0) < len(local):
+                return original(local[int(index or 0)])
+        return original(device_name)
+
+    return marked(device_scope, original)

@@ -87,7 +87,7 @@ def _bind_address(host: str) -> str:
     if host == "localhost":
         return host
     try:
-        resolved = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+        resolved = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
         return ""
     return "" if ipaddress.ip_address(resolved).is_loopback else resolved

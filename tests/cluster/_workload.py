@@ -48,11 +48,14 @@ def fit_run(
     *,
     fused: bool = False,
     other_inputs: bool = True,
+    keras_backup: bool = False,
 ) -> dict:
     """fit (NumPy, and with `other_inputs` a PyDataset and tf.data), evaluate
     and predict, with a partial last batch.
 
-    With `fused`, also a fit and predict with `steps_per_execution=3`.
+    With `fused`, also a fit and predict with `steps_per_execution=3`. With
+    `keras_backup` (and `workdir`), Keras's own BackupAndRestore too, and
+    what this process finds of the chief's files as `fit` returns.
     """
     x, y, sw = make_data(N_TRAIN)
     weights = initial_weights(batch_norm=True)
@@ -74,6 +77,11 @@ def fit_run(
             ),
             keras.callbacks.CSVLogger(os.path.join(workdir, f"log_{rank}.csv")),
         ]
+        if keras_backup:  # Keras's own: deletes its backup when training ends.
+            backup = keras.callbacks.BackupAndRestore(
+                os.path.join(workdir, "keras_backup")
+            )
+            callbacks.append(backup)
     history = model.fit(
         x,
         y,
@@ -84,6 +92,19 @@ def fit_run(
         callbacks=callbacks,
         verbose=0,
     )
+    after_fit = {}
+    if workdir is not None and keras_backup:  # What each finds as `fit` returns.
+        with open(os.path.join(workdir, "log_0.csv")) as f:  # The chief's.
+            rows = f.read().strip().splitlines()
+        after_fit = {
+            "csv_rows": len(rows),
+            "last_checkpoint": os.path.isfile(
+                os.path.join(workdir, f"ckpt_{EPOCHS}.weights.h5")
+            ),
+            "keras_backup_deleted": not os.path.exists(
+                os.path.join(workdir, "keras_backup")
+            ),
+        }
     evaluation = model.evaluate(
         x[:N_EVAL], y[:N_EVAL], batch_size=BATCH, return_dict=True, verbose=0
     )
@@ -93,6 +114,7 @@ def fit_run(
         "weights": _listed(model.get_weights()),
         "evaluate": evaluation,
         "predict": predictions.tolist(),
+        **({"after_fit": after_fit} if after_fit else {}),
         **(_fused_run(strategy, weights, x, y, sw) if fused else {}),
     }
     if not other_inputs:

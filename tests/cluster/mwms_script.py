@@ -21,6 +21,7 @@ strategy = kd.MultiWorkerMirroredStrategy(
 )
 
 import jax  # noqa: E402
+import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -121,6 +122,43 @@ def keras_hub_generate() -> dict:
     }
 
 
+class _OnCpu0(keras.utils.PyDataset):
+    """Batches made under `keras.device("cpu:0")`, as Keras's own
+    `trainer_test.py` makes them (this process's first CPU)."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        rows = slice(index * 8, (index + 1) * 8)
+        with keras.device("cpu:0"):
+            return (
+                keras.ops.convert_to_tensor(self.x[rows]),
+                keras.ops.convert_to_tensor(self.y[rows]),
+            )
+
+
+def device_scoped_fit() -> dict:
+    """A PyDataset of batches placed by `keras.device("cpu:0")`, against
+    the same rows as NumPy arrays."""
+    x, y, _ = make_data(16)
+    with keras.device("cpu:0"):
+        probe = keras.ops.ones(2)
+    scoped = build_in_scope(strategy, initial_weights())
+    arrays = build_in_scope(strategy, initial_weights())
+    return {
+        "device_process": next(iter(probe.devices())).process_index,
+        "scoped": scoped.fit(_OnCpu0(x, y), epochs=1, verbose=0).history["loss"],
+        "arrays": arrays.fit(
+            x, y, batch_size=8, epochs=1, shuffle=False, verbose=0
+        ).history["loss"],
+    }
+
+
 def local_results() -> int:
     per_replica = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group
@@ -137,11 +175,12 @@ results = {
     "num_processes": strategy.num_processes,
     "replicas": strategy.num_replicas_in_sync,
     "is_chief": strategy.is_chief,
-    "fit": _workload.fit_run(strategy, workdir, fused=True),
+    "fit": _workload.fit_run(strategy, workdir, fused=True, keras_backup=True),
     "loop": _workload.custom_loop_run(strategy),
     "sparse": _workload.sparse_run(strategy),
     "eager_predict": eager_predict(),
     "shuffled": shuffled_fit(),
+    "device_scope": device_scoped_fit(),
 }
 if full:  # (2 x 1: the same layout code; keras-hub's compile is long.)
     results["generate"] = keras_hub_generate()

@@ -3,6 +3,8 @@ as processes write them: every second of the wall in one bucket, the work a
 failure lost counted as failure, not as productive. Real runs:
 `test_restarts.py` (`--goodput`) and `benchmarks/restarts.py`."""
 
+import re
+
 import pytest
 
 from keras_dist_run._goodput import BUCKETS, Attempt, account, table
@@ -78,3 +80,21 @@ def test_the_table_names_every_bucket_with_its_share():
     assert len(lines) == 3 + len(BUCKETS)
     assert "| productive steps | 30.0 | 60.0% |" in lines
     assert "| start-up and compilation | 10.0 | 20.0% |" in lines
+
+
+@pytest.mark.parametrize("productive", [3.7245, 3.725, 3.7255, 37.25, 0.05])
+def test_the_headline_and_the_productive_row_give_one_share(productive):
+    """Rounded once: the headline says what its row says (37.2% and 37.3%
+    for one run before)."""
+    wall = 10.0 if productive < 10 else 100.0
+    result = {
+        "wall_s": wall,
+        "goodput": round(productive / wall, 4),
+        "seconds": {key: 0.0 for key in BUCKETS} | {"productive": productive},
+        "restarts": 0,
+        "lost_steps": 0,
+    }
+    lines = table(result).splitlines()
+    headline = re.search(r"goodput ([\d.]+)% of", lines[0])[1]
+    row = next(line for line in lines if line.startswith("| productive steps"))
+    assert row.endswith(f"| {headline}% |")

@@ -126,3 +126,15 @@ def test_a_failed_process_is_named_and_the_group_restarted_within_seconds(tmp_pa
     )
     assert "[0] done 0 of 2" in again.stdout and "[1] done 1 of 2" in again.stdout
     assert elapsed < 30, elapsed
+
+
+def test_a_failure_with_no_other_process_running_says_so():
+    """Not "stopping the other 0": one process, failed."""
+    launcher = [sys.executable, "-m", "keras_dist_run", "-n", "1", "--no-python"]
+    result, _ = _run([*launcher, "sh", "-c", "exit 3"])
+    assert result.returncode == 3, result.stderr
+    assert (
+        "keras-dist-run: process 0 exited with status 3; no other was running."
+        in result.stderr
+    ), result.stderr
+    assert "stopping the other 0" not in result.stderr

@@ -181,6 +181,32 @@ def test_only_the_chief_writes_checkpoints_and_logs(cluster):
     assert len(rows) == 1 + _workload.EPOCHS
 
 
+def test_fit_returns_on_every_process_when_the_chiefs_files_are_complete(cluster):
+    """Every process, right after `fit` returns, finds the chief's CSV with
+    every epoch's row, its last checkpoint, and Keras's own BackupAndRestore
+    folder deleted: `fit` returns when every process's callbacks ended it
+    (as `model.save` returns when the file is complete)."""
+    _, results = cluster
+    for result in results:
+        assert result["fit"]["after_fit"] == {
+            "csv_rows": 1 + _workload.EPOCHS,
+            "last_checkpoint": True,
+            "keras_backup_deleted": True,
+        }
+
+
+def test_keras_device_cpu_0_is_each_processs_own(cluster):
+    """`keras.device("cpu:0")` opens this process's first CPU (tf.distribute's
+    `/cpu:0` on each worker), not process 0's: a PyDataset making its
+    batches there (as Keras's `trainer_test.py` does) trains as the same
+    rows given as arrays."""
+    _, results = cluster
+    for result in results:
+        scoped = result["device_scope"]
+        assert scoped["device_process"] == result["rank"]
+        np.testing.assert_allclose(scoped["scoped"], scoped["arrays"], rtol=1e-6)
+
+
 # The 2 x 4 run's script also reads sharded files and datasets from a
 # function (their ids are written for 2 processes of 4 devices). The same
 # tuple as LAYOUTS': the module's 2 x 4 cluster, not a second one.

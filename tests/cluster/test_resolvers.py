@@ -258,9 +258,12 @@ def test_a_coordinator_port_held_by_another_program_is_named():
     busy = socket.create_server(("127.0.0.1", 0))
     port = busy.getsockname()[1]
     resolver = kd.cluster.SimpleClusterResolver(f"127.0.0.1:{port}", 2, 0)
-    with busy, pytest.raises(
-        ClusterConfigError,
-        match=rf"Process 0 cannot listen on the coordinator's port {port} .*"
-        "another job's coordinator on this host",
+    with (
+        busy,
+        pytest.raises(
+            ClusterConfigError,
+            match=rf"Process 0 cannot listen on the coordinator's port {port} .*"
+            "another job's coordinator on this host",
+        ),
     ):
         roll_call(resolver, timeout=10)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import jax
 
+from keras_dist._backend import warn_missing_cpu_devices
 from keras_dist.errors import DeviceNotFoundError
 
 _DEVICE_RE = re.compile(
@@ -106,7 +107,10 @@ def resolve_devices(
         DeviceNotFoundError: if an entry does not exist in this process.
     """
     if devices is None:
-        return tuple(jax.local_devices())
+        found = tuple(jax.local_devices())
+        if all(d.platform == "cpu" for d in found):
+            warn_missing_cpu_devices(len(found))
+        return found
     if isinstance(devices, (str, jax.Device)):
         raise TypeError(
             f"`{argument}` must be a list of devices. Received: "
