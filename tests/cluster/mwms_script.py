@@ -122,19 +122,21 @@ def keras_hub_generate() -> dict:
     }
 
 
-class _OnCpu0(keras.utils.PyDataset):
-    """Batches made under `keras.device("cpu:0")`, as Keras's own
-    `trainer_test.py` makes them (this process's first CPU)."""
+class _Rows(keras.utils.PyDataset):
+    """2 batches of 8 rows; with `on_cpu0`, made under `keras.device("cpu:0")`
+    as Keras's own `trainer_test.py` makes them (this process's first CPU)."""
 
-    def __init__(self, x, y):
+    def __init__(self, x, y, on_cpu0):
         super().__init__()
-        self.x, self.y = x, y
+        self.x, self.y, self.on_cpu0 = x, y, on_cpu0
 
     def __len__(self):
         return 2
 
     def __getitem__(self, index):
         rows = slice(index * 8, (index + 1) * 8)
+        if not self.on_cpu0:
+            return self.x[rows], self.y[rows]
         with keras.device("cpu:0"):
             return (
                 keras.ops.convert_to_tensor(self.x[rows]),
@@ -144,19 +146,16 @@ class _OnCpu0(keras.utils.PyDataset):
 
 def device_scoped_fit() -> dict:
     """A PyDataset of batches placed by `keras.device("cpu:0")`, against
-    the same rows as NumPy arrays."""
+    the same PyDataset's NumPy batches."""
     x, y, _ = make_data(16)
     with keras.device("cpu:0"):
         probe = keras.ops.ones(2)
-    scoped = build_in_scope(strategy, initial_weights())
-    arrays = build_in_scope(strategy, initial_weights())
-    return {
-        "device_process": next(iter(probe.devices())).process_index,
-        "scoped": scoped.fit(_OnCpu0(x, y), epochs=1, verbose=0).history["loss"],
-        "arrays": arrays.fit(
-            x, y, batch_size=8, epochs=1, shuffle=False, verbose=0
-        ).history["loss"],
-    }
+    losses = {}
+    for on_cpu0 in (True, False):
+        model = build_in_scope(strategy, initial_weights())
+        history = model.fit(_Rows(x, y, on_cpu0), epochs=1, verbose=0)
+        losses["scoped" if on_cpu0 else "arrays"] = history.history["loss"]
+    return {"device_process": next(iter(probe.devices())).process_index, **losses}
 
 
 def local_results() -> int:

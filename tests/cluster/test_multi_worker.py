@@ -199,7 +199,7 @@ def test_keras_device_cpu_0_is_each_processs_own(cluster):
     """`keras.device("cpu:0")` opens this process's first CPU (tf.distribute's
     `/cpu:0` on each worker), not process 0's: a PyDataset making its
     batches there (as Keras's `trainer_test.py` does) trains as the same
-    rows given as arrays."""
+    PyDataset's NumPy batches."""
     _, results = cluster
     for result in results:
         scoped = result["device_scope"]
