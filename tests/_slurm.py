@@ -64,6 +64,7 @@ class Slurm:
         self.root = root
         self.conf = root / "slurm.conf"
         self.processes: dict[str, subprocess.Popen] = {}
+        self._released: set[tuple] = set()  # (job, restarts) started early.
 
     @property
     def env(self) -> dict:
@@ -229,8 +230,10 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
         """Waits for `job_id` to end (within `timeout` s); returns its fields.
 
         SLURM holds a requeued batch job for 120 s (its BeginTime); this
-        starts it at once instead (`scontrol update ... StartTime=now`), as
-        the scheduler would 120 s later."""
+        starts it 5 s after instead (`scontrol update ... StartTime=now+5`),
+        as the scheduler would 120 s later. (Not at once: a node refuses to
+        start a job within the second its previous run's credential was
+        revoked, "Job credential revoked", and the job fails.)"""
         deadline = time.monotonic() + timeout
         while True:
             fields = self.job(job_id)
@@ -238,10 +241,13 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
                 return fields
             if state == "PENDING" and fields.get("Reason") == "BeginTime":
-                self.run(
-                    ["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
-                    check=False,
-                )
+                requeue = (job_id, fields.get("Restarts"))
+                if requeue not in self._released:  # Once per requeue.
+                    self._released.add(requeue)
+                    self.run(
+                        ["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"],
+                        check=False,
+                    )
             if time.monotonic() > deadline:
                 self.run(["scancel", job_id], check=False)
                 raise TimeoutError(

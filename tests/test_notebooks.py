@@ -88,11 +88,12 @@ def _run(nb, workdir: pathlib.Path, env: dict[str, str]) -> None:
             kernel.shutdown_kernel(now=True)
 
 
-def _execute(name: str, workdir: pathlib.Path, epochs: int):
-    """Runs notebooks/`name` in `workdir`; returns (stdout text, outputs)."""
+def _execute(name: str, workdir: pathlib.Path, epochs: int, **env: str):
+    """Runs notebooks/`name` in `workdir` (with `env` too); returns (stdout
+    text, outputs)."""
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell("import sys; print(sys.executable)"))
-    _run(nb, workdir, _kernel_env(KD_NOTEBOOK_EPOCHS=str(epochs)))
+    _run(nb, workdir, _kernel_env(KD_NOTEBOOK_EPOCHS=str(epochs), **env))
     outputs = [o for cell in nb.cells for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs if o.get("name") == "stdout")
     assert text.strip().splitlines()[-1] == sys.executable, "kernel of another Python"
@@ -211,7 +212,24 @@ def test_multi_worker_notebook_two_processes_equal_one(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tpu_notebook_falls_back_to_mirrored_on_cpu(tmp_path):
-    out, outputs = _execute("tpu_colab.ipynb", tmp_path, epochs=2)
+    """Its checkpoints on a bucket (`KD_CHECKPOINT_DIR`, as on a TPU VM, on
+    the local fake-gcs-server): nothing of them on the local disk."""
+    from tests import _storage
+
+    url = _storage.bucket("gs") + "/mnist"
+    out, outputs = _execute(
+        "tpu_colab.ipynb",
+        tmp_path,
+        epochs=2,
+        KD_CHECKPOINT_DIR=url,
+        **_storage.emulators(),
+    )
+    assert _storage.listing(url) == [
+        "checkpoint",
+        "ckpt_1.weights.h5",
+        "ckpt_2.weights.h5",
+    ]
+    assert not (tmp_path / "training_checkpoints").exists()
     assert re.search(r"^No TPU \(\w+\): falling back to MirroredStrategy$", out, re.M)
     assert (
         "MirroredStrategy(devices=[cpu:0, cpu:1, ..., cpu:7], num_replicas_in_sync=8)"
