@@ -10,6 +10,25 @@ import sys
 CLUSTER = pathlib.Path(__file__).parent / "cluster"
 
 
+def tf_config_env(workers: list[str], index: int) -> dict[str, str]:
+    """The environment of worker `index` of `workers` as a scheduler starts
+    it: this one's less the tests' own cluster settings, its TF_CONFIG, one
+    CPU device."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
+    }
+    environ.update(
+        TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        TF_CONFIG=json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        ),
+    )
+    return environ
+
+
 def by_hand(
     script, env=None, timeout=120, args=(), prefix=(), wait_for=(0, 1)
 ) -> list[tuple[int, str, str]]:
@@ -23,21 +42,7 @@ def by_hand(
     workers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     processes = []
     for index in (0, 1):
-        environ = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
-        }
-        environ.update(
-            TF_CPP_MIN_LOG_LEVEL="3",
-            XLA_FLAGS="--xla_force_host_platform_device_count=1",
-            TF_CONFIG=json.dumps(
-                {
-                    "cluster": {"worker": workers},
-                    "task": {"type": "worker", "index": index},
-                }
-            ),
-        )
+        environ = tf_config_env(workers, index)
         environ.update(env or {})  # May change the two above.
         processes.append(
             subprocess.Popen(

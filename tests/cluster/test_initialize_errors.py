@@ -1,7 +1,5 @@
 """`kd.cluster.initialize` fails with named errors, within its timeout, never aborts."""
 
-import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +9,7 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.launch import free_port
+from tests._processes import tf_config_env
 
 SCRIPT = pathlib.Path(__file__).with_name("join_script.py")
 
@@ -83,18 +82,7 @@ def test_a_two_process_cluster_joins():
 
 def _tf_config_process(workers: list[str], index: int) -> subprocess.Popen:
     """psum_script.py as a scheduler starts it: its TF_CONFIG, one device."""
-    environ = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG"))
-    }
-    environ.update(
-        TF_CPP_MIN_LOG_LEVEL="3",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
-        TF_CONFIG=json.dumps(
-            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        ),
-    )
+    environ = tf_config_env(workers, index)
     return subprocess.Popen(
         [sys.executable, str(SCRIPT.with_name("psum_script.py"))],
         env=environ,
