@@ -232,6 +232,9 @@ def _follower(callback):
         def on_train_begin(logs=None):
             callback.set_model(follower.model)
             callback.on_train_begin(logs)  # Reads the chief's backup.
+            for key in ("_current_epoch", "_last_batch_seen"):  # Goes on from it.
+                if hasattr(callback, key):
+                    setattr(follower, key, getattr(callback, key))
 
         follower.on_train_begin = on_train_begin
     else:
@@ -241,8 +244,38 @@ def _follower(callback):
             scratch, os.path.splitdrive(path)[1].lstrip(os.sep)
         )
         follower.verbose = 0
+    _mirror_state(follower, callback, scratch)
     weakref.finalize(follower, shutil.rmtree, scratch, True)
     return follower
+
+
+def _mirror_state(follower, callback, scratch: str) -> None:
+    """After each of the follower's hooks, `callback` (the user's object on
+    this process) holds the state Keras's own keeps: epoch and batch
+    counters, the best value so far (`BackupAndRestore._current_epoch`,
+    `ModelCheckpoint.best`), as the chief's object does. Not the follower's
+    paths (into `scratch`), model or verbosity."""
+
+    def state():
+        return {
+            key: value
+            for key, value in vars(follower).items()
+            if key not in ("_model", "model", "verbose")
+            and not callable(value)
+            and not (isinstance(value, str) and value.startswith(scratch))
+        }
+
+    for name in dir(type(follower)):
+        if not name.startswith("on_"):
+            continue
+        hook = getattr(follower, name)
+
+        def mirrored(*args, _hook=hook, **kwargs):
+            result = _hook(*args, **kwargs)
+            vars(callback).update(state())
+            return result
+
+        setattr(follower, name, mirrored)
 
 
 def local_device_scope(original):

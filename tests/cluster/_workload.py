@@ -104,6 +104,8 @@ def fit_run(
             "keras_backup_deleted": not os.path.exists(
                 os.path.join(workdir, "keras_backup")
             ),
+            # Keras's own counter, on a follower's object too.
+            "keras_backup_epoch": backup._current_epoch,
         }
     evaluation = model.evaluate(
         x[:N_EVAL], y[:N_EVAL], batch_size=BATCH, return_dict=True, verbose=0

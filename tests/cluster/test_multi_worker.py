@@ -185,13 +185,16 @@ def test_fit_returns_on_every_process_when_the_chiefs_files_are_complete(cluster
     """Every process, right after `fit` returns, finds the chief's CSV with
     every epoch's row, its last checkpoint, and Keras's own BackupAndRestore
     folder deleted: `fit` returns when every process's callbacks ended it
-    (as `model.save` returns when the file is complete)."""
+    (as `model.save` returns when the file is complete); Keras's callback
+    object counted every epoch on each process (a follower's state is
+    mirrored into it)."""
     _, results = cluster
     for result in results:
         assert result["fit"]["after_fit"] == {
             "csv_rows": 1 + _workload.EPOCHS,
             "last_checkpoint": True,
             "keras_backup_deleted": True,
+            "keras_backup_epoch": _workload.EPOCHS,
         }
 
 
