@@ -232,9 +232,6 @@ def _follower(callback):
         def on_train_begin(logs=None):
             callback.set_model(follower.model)
             callback.on_train_begin(logs)  # Reads the chief's backup.
-            for key in ("_current_epoch", "_last_batch_seen"):  # Goes on from it.
-                if hasattr(callback, key):
-                    setattr(follower, key, getattr(callback, key))
 
         follower.on_train_begin = on_train_begin
     else:
@@ -252,7 +249,7 @@ def _follower(callback):
 def _mirror_state(follower, callback, scratch: str) -> None:
     """After each of the follower's hooks, `callback` (the user's object on
     this process) holds the state Keras's own keeps: epoch and batch
-    counters, the best value so far (`BackupAndRestore._current_epoch`,
+    counters, the best value so far (a `BackupAndRestore`'s epoch,
     `ModelCheckpoint.best`), as the chief's object does. Not the follower's
     paths (into `scratch`), model or verbosity."""
 
@@ -266,7 +263,9 @@ def _mirror_state(follower, callback, scratch: str) -> None:
         }
 
     for name in dir(type(follower)):
-        if not name.startswith("on_"):
+        # (Not a hook set on the follower itself: a `BackupAndRestore`
+        # follower's `on_train_begin` is the user's object's own.)
+        if not name.startswith("on_") or name in vars(follower):
             continue
         hook = getattr(follower, name)
 
