@@ -265,7 +265,9 @@ def _mirror_state(follower, callback, scratch: str) -> None:
     for name in dir(type(follower)):
         # (Not a hook set on the follower itself: a `BackupAndRestore`
         # follower's `on_train_begin` is the user's object's own.)
-        if not name.startswith("on_") or name in vars(follower):
+        # Nor a batch hook: no work added to every step; the epoch's and the
+        # call's ends carry the counters on.
+        if not name.startswith("on_") or "batch" in name or name in vars(follower):
             continue
         hook = getattr(follower, name)
 
