@@ -264,10 +264,17 @@ def _mirror_state(follower, callback, scratch: str) -> None:
 
     for name in dir(type(follower)):
         # (Not a hook set on the follower itself: a `BackupAndRestore`
-        # follower's `on_train_begin` is the user's object's own.)
-        # Nor a batch hook: no work added to every step; the epoch's and the
-        # call's ends carry the counters on.
-        if not name.startswith("on_") or "batch" in name or name in vars(follower):
+        # follower's `on_train_begin` is the user's object's own. Nor one
+        # the callback does not override: wrapping Keras's no-op batch hook
+        # would turn off Keras's asynchronous dispatch of batch hooks; the
+        # ones it overrides already run each batch, and `BackupAndRestore`'s
+        # batch counter must follow a fit interrupted mid-epoch.)
+        if (
+            not name.startswith("on_")
+            or name in vars(follower)
+            or getattr(type(follower), name)
+            is getattr(keras.callbacks.Callback, name, None)
+        ):
             continue
         hook = getattr(follower, name)
 
