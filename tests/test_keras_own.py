@@ -107,7 +107,9 @@ ACROSS_PROCESSES = {
 # Keras's cases that import torch (not a dependency of keras_dist: plain Keras
 # fails them too, `ModuleNotFoundError`) are left out where it is missing, so
 # no plain-Keras run is needed to explain them.
-WITHOUT_TORCH = () if importlib.util.find_spec("torch") else ("-k", "not torch_dataloader")
+WITHOUT_TORCH = (
+    () if importlib.util.find_spec("torch") else ("-k", "not torch_dataloader")
+)
 # The tests that fail only across processes, each with why it is not
 # keras_dist's to pass. Each must still fail (else it leaves this list).
 NAMED = {
