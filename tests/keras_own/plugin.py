@@ -151,8 +151,9 @@ def _test_dir(test_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", test_id)[-120:]
 
 
-def pytest_collection_modifyitems(items):
-    _STATE["collected"] = [item.nodeid for item in items]
+def pytest_collection_finish(session):
+    """The tests this process runs (after `-k` and `-m` deselected some)."""
+    _STATE["collected"] = [item.nodeid for item in session.items]
 
 
 def pytest_runtest_setup(item):
