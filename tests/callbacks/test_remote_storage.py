@@ -306,3 +306,43 @@ def test_the_checkpoints_guide_example_writes_to_a_bucket(workdir, capsys):
         "run1/ckpt_3.weights.h5",
         "run1/final.keras",
     ]
+
+
+def test_the_gcs_emulator_ends_with_the_process_that_started_it(tmp_path):
+    """A test process killed (an xdist worker at the end of a starved run)
+    skips `atexit`: its fake-gcs-server must end all the same, not run on
+    after CI (it did: CI10, CI13)."""
+    import subprocess
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    script = tmp_path / "start.py"
+    script.write_text(
+        f"import os, sys\nsys.path.insert(0, {root!r})\nfrom tests import _storage\n"
+        "print(_storage._fake_gcs_server(), flush=True)\nos._exit(0)\n"
+    )
+    parent = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert parent.returncode == 0, parent.stderr[-2000:]
+    url = parent.stdout.split()[-1]
+
+    def running() -> bool:
+        """A live process serving `url` (this process's own server has
+        another)."""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().split(b"\0")
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if url.encode() in command and state != "Z":
+                return True
+        return False
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running():
+        time.sleep(0.1)
+    assert not running(), f"the fake-gcs-server at {url} still runs"
