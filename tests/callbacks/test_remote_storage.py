@@ -308,6 +308,9 @@ def test_the_checkpoints_guide_example_writes_to_a_bucket(workdir, capsys):
     ]
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc: Linux"
+)
 def test_the_gcs_emulator_ends_with_the_process_that_started_it(tmp_path):
     """A test process killed (an xdist worker at the end of a starved run)
     skips `atexit`: its fake-gcs-server must end all the same, not run on
