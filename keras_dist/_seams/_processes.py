@@ -13,8 +13,9 @@ RemoteMonitor): the chief writes for all. Keras's own `ModelCheckpoint` and
 (`_follower`): their saves take part in the chief's (the save seam makes
 them one save, which the chief writes), their other files (directories, a
 backup's JSON, its deletion at the end) go to a scratch directory, and a
-`BackupAndRestore` restores from the chief's backup. `predict` gathers its
-outputs on every process.
+`BackupAndRestore` restores from the chief's backup once the chief has
+replaced a torn one (`_BackupReadable`). `predict` gathers its outputs on
+every process.
 """
 
 import copy
@@ -188,17 +189,73 @@ def prepare_call(method: str, model, arguments: dict) -> None:
             np.random.set_state(
                 (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
             )
+    callbacks = arguments.get("callbacks")
+    # (fit's own evaluate passes its CallbackList, already filtered.)
     if jax.process_index() != 0:
         if "verbose" in arguments or method in ("fit", "evaluate", "predict"):
             arguments["verbose"] = 0
-        callbacks = arguments.get("callbacks")
-        # (fit's own evaluate passes its CallbackList, already filtered.)
-        if callbacks and isinstance(callbacks, (list, tuple)):
+        if isinstance(callbacks, (list, tuple)) and callbacks:
             arguments["callbacks"] = [
                 _follower(c) if _followed(c) else c
                 for c in callbacks
                 if not isinstance(c, _CHIEF_ONLY_CALLBACKS)
             ]
+    elif isinstance(callbacks, (list, tuple)) and callbacks:
+        arguments["callbacks"] = [
+            kept
+            for c in callbacks
+            for kept in (
+                (_BackupReadable(c), c) if _restores_from_a_backup(c) else (c,)
+            )
+        ]
+
+
+def _restores_from_a_backup(callback) -> bool:
+    return _followed(callback) and isinstance(
+        callback, keras.callbacks.BackupAndRestore
+    )
+
+
+class _ReadingModel:
+    """What Keras's `BackupAndRestore` reads a backup through, on the chief
+    before training: `load_weights` reads every array of the file, into no
+    model, and raises Keras's `OSError` where the file is torn."""
+
+    built = True
+    optimizer = None
+
+    def load_weights(self, filepath, *args, **kwargs):
+        import h5py  # type: ignore[import-untyped]
+
+        def read(name, item):
+            if isinstance(item, h5py.Dataset):
+                item[()]
+
+        with h5py.File(filepath, "r") as f:
+            f.visititems(read)
+
+
+class _BackupReadable(keras.callbacks.Callback):
+    """On the chief, just before a Keras `BackupAndRestore` (`backup`) whose
+    followers restore from the same files: Keras's own `on_train_begin`
+    first runs on a copy of it over a model that only reads (`_ReadingModel`),
+    so a torn backup is replaced by the previous one (Keras's repair: copies
+    of files) before any process reads it; then every process is told to go
+    on. Without it the follower, reading the backup while the chief copied
+    over it, failed part-way through the load, whose transfers are
+    collectives of every process: the chief waited in one for ever."""
+
+    def __init__(self, backup):
+        super().__init__()
+        self.backup = backup
+
+    def on_train_begin(self, logs=None):
+        probe = copy.copy(self.backup)
+        probe.set_model(_ReadingModel())
+        try:
+            probe.on_train_begin(logs)
+        finally:
+            _sync.allgather("backup-readable", None)
 
 
 def _followed(callback) -> bool:
@@ -230,6 +287,8 @@ def _follower(callback):
         )
 
         def on_train_begin(logs=None):
+            # Once the chief has replaced a torn backup (`_BackupReadable`).
+            _sync.allgather("backup-readable", None)
             callback.set_model(follower.model)
             callback.on_train_begin(logs)  # Reads the chief's backup.
 

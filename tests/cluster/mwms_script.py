@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
@@ -158,6 +159,60 @@ def device_scoped_fit() -> dict:
     return {"device_process": next(iter(probe.devices())).process_index, **losses}
 
 
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted after 2 epochs")
+
+
+class _ChiefLate(keras.callbacks.Callback):
+    """The chief reaches the backup a second after the others."""
+
+    def on_train_begin(self, logs=None):
+        if rank == 0:
+            time.sleep(1.0)
+
+
+def torn_keras_backup() -> dict:
+    """Keras's BackupAndRestore (`double_checkpoint`) interrupted after 2
+    epochs, its latest weights torn by the chief, then resumed with the
+    chief a second late: the epochs run, the weights, and the files each
+    process opened for writing in the backup folder while resuming (Keras
+    replaces the torn file with the previous one: the chief only)."""
+    x, y, _ = make_data(16)
+    folder = os.path.join(workdir, "torn_keras_backup")
+    model = build_in_scope(strategy, initial_weights())
+    backup = keras.callbacks.BackupAndRestore(folder, double_checkpoint=True)
+    try:
+        model.fit(
+            x, y, batch_size=8, epochs=4, callbacks=[backup, _Interrupt()], verbose=0
+        )
+        raise AssertionError("not interrupted")
+    except RuntimeError:
+        pass
+    if rank == 0:
+        with open(os.path.join(folder, "latest.weights.h5"), "w") as f:
+            f.write("0")
+    written, watching = [], [True]
+
+    def audit(event, args):
+        mode = args[1] if event == "open" and isinstance(args[1], str) else ""
+        inside = watching and str(args[0]).startswith(folder)
+        if inside and any(c in mode for c in "wax+"):
+            written.append(os.path.relpath(args[0], folder))
+
+    sys.addaudithook(audit)
+    history = model.fit(
+        x, y, batch_size=8, epochs=4, callbacks=[_ChiefLate(), backup], verbose=0
+    )
+    watching.clear()
+    return {
+        "epochs": history.epoch,
+        "written": sorted(set(written)),
+        "weights": [np.asarray(w).tolist() for w in model.get_weights()],
+    }
+
+
 def local_results() -> int:
     per_replica = strategy.run(
         lambda: kd.get_replica_context().replica_id_in_sync_group
@@ -180,6 +235,7 @@ results = {
     "eager_predict": eager_predict(),
     "shuffled": shuffled_fit(),
     "device_scope": device_scoped_fit(),
+    "torn_keras_backup": torn_keras_backup(),
 }
 if full:  # (2 x 1: the same layout code; keras-hub's compile is long.)
     results["generate"] = keras_hub_generate()
