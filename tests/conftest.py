@@ -94,3 +94,62 @@ def _keep_one_case_each(config, items) -> None:
     dropped = [item for item in items if id(item) not in keep]
     items[:] = [item for item in items if id(item) in keep]
     config.hook.pytest_deselected(items=dropped)
+
+
+# The CPU time each test used: its process's and that of the processes it
+# started and waited for (a cluster's, a subprocess's), by phase. On 2 cores
+# the suite is CPU-bound (CI prints its idle share): a test that waits costs
+# little, one that computes costs the others' time. Reported after pytest's
+# slowest durations, with xdist too (the workers send it in the reports).
+def _cpu_seconds() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    now = _cpu_seconds()
+    start = item.stash.get(_CPU_AT, None)
+    item.stash[_CPU_AT] = now
+    if start is not None or call.when == "setup":
+        began = start if call.when != "setup" else item.stash.get(_CPU_BEGIN, now)
+        outcome.get_result().user_properties.append(("cpu_s", now - began))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_BEGIN] = _cpu_seconds()
+
+
+_CPU_AT = pytest.StashKey[float]()
+_CPU_BEGIN = pytest.StashKey[float]()
+_CPU_USED: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    for key, value in report.user_properties:
+        if key == "cpu_s":
+            _CPU_USED[report.nodeid] = _CPU_USED.get(report.nodeid, 0.0) + value
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _CPU_USED:
+        return
+    total = sum(_CPU_USED.values())
+    terminalreporter.write_sep(
+        "=", f"most CPU time: 25 of {len(_CPU_USED)} tests, {total:.0f} s in all"
+    )
+    ranked = sorted(_CPU_USED.items(), key=lambda kv: -kv[1])
+    for nodeid, seconds in ranked[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+    by_file: dict = {}
+    for nodeid, seconds in _CPU_USED.items():
+        path = nodeid.split("::")[0]
+        by_file[path] = by_file.get(path, 0.0) + seconds
+    terminalreporter.write_sep("=", "most CPU time by file: 25")
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {path}")

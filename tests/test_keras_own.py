@@ -160,6 +160,10 @@ def test_keras_own_files_pass_across_processes(layout, tmp_path):
         f"--kd-results={tmp_path / 'results-{process}.json'}",
         "-o",
         "timeout=300",
+        # A process stuck in a collective (C++: no signal handler runs) dumps
+        # its stack and exits, rather than waiting for `launch`'s timeout.
+        "-o",
+        "timeout_method=thread",
         *WITHOUT_TORCH,
         *files,
         n=processes,
