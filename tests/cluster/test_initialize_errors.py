@@ -76,7 +76,9 @@ def test_a_two_process_cluster_joins():
     port = free_port()
     processes = [_start(port, 2, rank, "60") for rank in (1, 0)]
     results = [_finish(p) for p in processes]
-    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    # (A string, shown whole: a list's repr is cut in the middle by pytest.)
+    said = "\n".join(f"process {1 - i}: {r[2][-3000:]}" for i, r in enumerate(results))
+    assert [r[0] for r in results] == [0, 0], said
     assert "joined 1 of 2" in results[0][1] and "joined 0 of 2" in results[1][1]
 
 
