@@ -156,3 +156,41 @@ def test_the_heartbeat_timeout_defaults_to_the_launchers(monkeypatch):
     monkeypatch.setenv("KERAS_DIST_HEARTBEAT_TIMEOUT", "0")
     assert _heartbeat.timeout_from_environment() == 0
     assert socket.gethostname() == _heartbeat.HOST
+
+
+class _SlowStore(_Store):
+    """Each call takes `seconds`, with the GIL released (as JAX's do)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.in_flight = seconds, 0
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.in_flight += 1
+        time.sleep(self.seconds)
+        self.in_flight -= 1
+        super().key_value_set(key, value, allow_overwrite)
+
+
+def test_closing_waits_for_the_store_call_in_flight():
+    """At exit (`close`, registered with atexit to run before JAX shuts its
+    client down) no watch thread is left inside a call of the client: one
+    returning into the finalizing interpreter aborted a process that had
+    finished its program. A call that does not end is waited for `within`
+    seconds at most."""
+    store = _SlowStore(0.5)
+    watch = PeerWatch(store, 0, 2, 10.0)
+    watch.start()
+    deadline = time.monotonic() + 5
+    while not store.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.in_flight == 1
+    watch.close()
+    assert store.in_flight == 0
+    assert not any(thread.is_alive() for thread in watch.threads)
+    stuck = PeerWatch(_SlowStore(30), 0, 2, 10.0)
+    stuck.start()
+    time.sleep(0.1)
+    began = time.monotonic()
+    stuck.close(within=0.5)
+    assert time.monotonic() - began < 2
