@@ -18,6 +18,7 @@ replaced a torn one (`_BackupReadable`). `predict` gathers its outputs on
 every process.
 """
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -252,10 +253,11 @@ class _BackupReadable(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         probe = copy.copy(self.backup)
         probe.set_model(_ReadingModel())
-        try:
+        # Its one job is Keras's repair; the callback itself runs next and
+        # raises what it raises (a subclass's hook may want more of a model).
+        with contextlib.suppress(Exception):
             probe.on_train_begin(logs)
-        finally:
-            _sync.allgather("backup-readable", None)
+        _sync.allgather("backup-readable", None)
 
 
 def _followed(callback) -> bool:
