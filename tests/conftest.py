@@ -97,10 +97,11 @@ def _keep_one_case_each(config, items) -> None:
 
 
 # The CPU time each test used: its process's and that of the processes it
-# started and waited for (a cluster's, a subprocess's), by phase. On 2 cores
-# the suite is CPU-bound (CI prints its idle share): a test that waits costs
-# little, one that computes costs the others' time. Reported after pytest's
-# slowest durations, with xdist too (the workers send it in the reports).
+# started and waited for (a cluster's, a subprocess's), its phases summed. On
+# 2 cores the suite is CPU-bound (CI prints its idle share): a test that
+# waits costs little, one that computes costs the others' time. Printed
+# above pytest's slowest durations, with xdist too (the workers send it in
+# the reports).
 def _cpu_seconds() -> float:
     import resource
 
@@ -109,24 +110,22 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    outcome = yield
-    now = _cpu_seconds()
-    start = item.stash.get(_CPU_AT, None)
-    item.stash[_CPU_AT] = now
-    if start is not None or call.when == "setup":
-        began = start if call.when != "setup" else item.stash.get(_CPU_BEGIN, now)
-        outcome.get_result().user_properties.append(("cpu_s", now - began))
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    item.stash[_CPU_BEGIN] = _cpu_seconds()
+    item.stash[_CPU_AT] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report carries the CPU time since the previous one's."""
+    outcome = yield
+    now = _cpu_seconds()
+    began = item.stash.get(_CPU_AT, now)
+    item.stash[_CPU_AT] = now
+    outcome.get_result().user_properties.append(("cpu_s", now - began))
 
 
 _CPU_AT = pytest.StashKey[float]()
-_CPU_BEGIN = pytest.StashKey[float]()
 _CPU_USED: dict = {}
 
 

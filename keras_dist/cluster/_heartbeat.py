@@ -296,6 +296,7 @@ class PeerWatch:
         self.failed: tuple[int, str, float] | None = None  # A peer's own error.
         self.stop = threading.Event()
         self.sequence = 0
+        self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
         self.threads = [
@@ -317,7 +318,7 @@ class PeerWatch:
         may block while process 0 is stopped) for their calls to end."""
         self.stop.set()
         deadline = time.monotonic() + within
-        for thread in getattr(self, "threads", ()):
+        for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
     def exchange(self) -> None:
