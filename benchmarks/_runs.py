@@ -5,18 +5,31 @@ configuration as a worker script in its own process (no compilation cache,
 no state carried from the previous one); the worker prints one line
 `RESULT {json}` with `ms_per_step`, the ms/step of each timed epoch.
 `combine_runs` merges several fresh processes of one configuration.
+
+A smoke run (`--shared-process`: the test suite's) runs the configurations
+of each job slot one after another in one long-lived process instead
+(`_host.py`): the same worker code and rows, without starting Python, JAX
+and Keras for each; its timings are not figures (say so: `SHARED_PROCESS`).
 """
 
+import atexit
 import json
 import os
 import pathlib
 import platform
+import queue
 import re
 import statistics
 import subprocess
 import sys
+import threading
 
 PLATFORM_ENV = "KD_BENCH_PLATFORM"
+SHARED_PROCESS = "configurations sharing a process (--shared-process)"
+_HOST = pathlib.Path(__file__).resolve().parent / "_host.py"
+_sharing = {"on": False}
+_hosts = threading.local()  # Each job slot (a pool thread): its own host.
+_every_host: list = []
 
 
 def force_host_devices(count: int = 8) -> str:
@@ -48,6 +61,7 @@ def run_worker(
     ident: dict,
     processes: int = 1,
     devices: int = 8,
+    shared: bool = True,
 ) -> dict:
     """Runs `script args` in a fresh process; its RESULT, or `ident` + error.
 
@@ -55,6 +69,9 @@ def run_worker(
     median of its `host_cpu_ms_per_step` (when the worker measures it).
     With `processes` > 1 it runs under keras-dist-run (`devices` split over
     them); the row is process 0's, with every process's row in `ranks`.
+    With `share_processes()` on, a one-process run that may (`shared`: its
+    worker needs no process of its own, as Keras on TensorFlow does) runs
+    in this job slot's long-lived process instead.
     """
     launcher = []
     if processes > 1:
@@ -64,9 +81,12 @@ def run_worker(
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env[PLATFORM_ENV] = platform_name
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout, env=env
-        )
+        if _sharing["on"] and shared and processes == 1:
+            done = _in_host(str(script), [str(a) for a in args], env, timeout)
+        else:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=timeout, env=env
+            )
     except subprocess.TimeoutExpired:
         return {**ident, "error": "timeout"}
     lines = done.stdout.splitlines()
@@ -83,6 +103,62 @@ def run_worker(
     if row.get("host_cpu_ms_per_step"):
         row["host_cpu_ms"] = statistics.median(row["host_cpu_ms_per_step"])
     return row
+
+
+def share_processes(on: bool = True) -> None:
+    """From now on, one-process runs share their job slot's process (or not)."""
+    _sharing["on"] = on
+
+
+def _in_host(script: str, args: list, env: dict, timeout: float):
+    """`script args` in this thread's host process (started at its first run)."""
+    host = getattr(_hosts, "process", None)
+    if host is None or host.poll() is not None:
+        host = subprocess.Popen(
+            [sys.executable, str(_HOST)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # XLA's and TensorFlow's C++ logs.
+            text=True,
+            env=env,
+        )
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_read, args=(host, lines), daemon=True).start()
+        _hosts.process, _hosts.lines = host, lines
+        _every_host.append(host)
+    host.stdin.write(json.dumps({"script": script, "args": args}) + "\n")
+    host.stdin.flush()
+    while True:
+        try:
+            line = _hosts.lines.get(timeout=timeout)
+        except queue.Empty:
+            host.kill()
+            raise subprocess.TimeoutExpired(script, timeout) from None
+        if line is None:  # It died: a crash no Python handler saw.
+            code = host.wait()
+            return subprocess.CompletedProcess(script, code or 1, "", "host died")
+        if line.startswith("HOST "):
+            done = json.loads(line[5:])
+            return subprocess.CompletedProcess(
+                script, done["returncode"], done["stdout"], done["stderr"]
+            )
+
+
+def _read(host, lines: queue.Queue) -> None:
+    for line in host.stdout:
+        lines.put(line)
+    lines.put(None)
+
+
+@atexit.register
+def _close_hosts() -> None:
+    for host in _every_host:
+        if host.poll() is None:
+            host.stdin.close()  # Its loop ends; it exits.
+            try:
+                host.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                host.kill()
 
 
 def failure(output: str) -> str:

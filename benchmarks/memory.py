@@ -29,11 +29,13 @@ import pathlib
 import platform
 
 from _runs import (
+    SHARED_PROCESS,
     fmt,
     loss_target,
     machine,
     pyplot,
     run_worker,
+    share_processes,
     targets_table,
     write_results,
 )
@@ -59,6 +61,12 @@ def _parser():
     p.add_argument("--steps", type=int, default=None, help="steps per epoch")
     p.add_argument("--repeats", type=int, default=None, help="timed epochs")
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument(
+        "--shared-process",
+        action="store_true",
+        help="smoke test: the configurations one after another in one process "
+        "(per job): the code and rows, no figures",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (smoke tests)")
     return p
@@ -94,6 +102,11 @@ def analyse(rows: dict) -> dict:
     return {"max_loss_rel_diff": worst, "targets": targets}
 
 
+def _indicative_note(payload: dict) -> str:
+    why = payload.get("indicative")
+    return f" Indicative only: {why}." if why else ""
+
+
 def markdown(payload: dict) -> str:
     spec = payload["spec"]
     out = [
@@ -101,7 +114,8 @@ def markdown(payload: dict) -> str:
         f"vocab {spec['vocab']}, hidden {spec['hidden']}, {spec['layers']} "
         f"layers, seq {spec['seq']}, batch {spec['batch']}, "
         f"{payload['params']:,} parameters, Adam; {payload['steps']} steps x "
-        f"{payload['repeats']} timed epochs after one warm-up epoch.",
+        f"{payload['repeats']} timed epochs after one warm-up epoch."
+        + _indicative_note(payload),
         "",
         "| config | state MB per device | of total MB | vs Mirrored "
         "| host MB per device | ms/step (median) | min-max | final loss |",
@@ -158,6 +172,9 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
+    if args.shared_process:
+        share_processes()
+        print(f"{SHARED_PROCESS}: indicative only, not figures to quote.")
     model = args.model or ("gpt2-small" if args.quick else "gpt2")
     args.steps = args.steps or (2 if args.quick else 3)
     args.repeats = args.repeats or 3
@@ -190,6 +207,7 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "repeats": args.repeats,
         "rows": rows,
+        "indicative": SHARED_PROCESS if args.shared_process else None,
     }
     payload["analysis"] = analyse(rows)
     write_results(args.out, "memory", payload, markdown, plot)

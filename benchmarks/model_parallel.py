@@ -33,11 +33,13 @@ import pathlib
 import platform
 
 from _runs import (
+    SHARED_PROCESS,
     fmt,
     loss_target,
     machine,
     pyplot,
     run_worker,
+    share_processes,
     targets_table,
     write_results,
 )
@@ -72,6 +74,12 @@ def _parser():
     p.add_argument("--repeats", type=int, default=2, help="timed epochs")
     p.add_argument("--platform", default="cpu", choices=["cpu", "gpu", "tpu"])
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument(
+        "--shared-process",
+        action="store_true",
+        help="smoke test: the configurations one after another in one process "
+        "(per job): the code and rows, no figures",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     return p
 
@@ -115,6 +123,11 @@ def analyse(rows: dict) -> dict:
     return {"max_loss_rel_diff": worst, "targets": targets}
 
 
+def _indicative_note(payload: dict) -> str:
+    why = payload.get("indicative")
+    return f" Indicative only: {why}." if why else ""
+
+
 def markdown(payload: dict) -> str:
     spec = payload["spec"]
     out = [
@@ -123,7 +136,8 @@ def markdown(payload: dict) -> str:
         f"{spec['layers']} layers, {spec['heads']} query / {spec['kv_heads']} "
         f"key-value heads, seq {spec['seq']}, global batch {spec['batch']}, "
         f"{payload['params']:,} parameters, Adam; {payload['steps']} steps x "
-        f"{payload['repeats']} timed epochs after one warm-up epoch.",
+        f"{payload['repeats']} timed epochs after one warm-up epoch."
+        + _indicative_note(payload),
         "",
         "| config | mesh (batch, model) | state MB per device | largest weight, "
         "share per device | collectives MB per device per step | GFLOP per step "
@@ -204,6 +218,9 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> dict:
     args = _parser().parse_args(argv)
+    if args.shared_process:
+        share_processes()
+        print(f"{SHARED_PROCESS}: indicative only, not figures to quote.")
     model = args.model or ("gemma-small" if args.quick else "gemma")
     args.steps = args.steps or (2 if args.quick else 3)
     rows = {}
@@ -228,6 +245,7 @@ def main(argv=None) -> dict:
         "steps": args.steps,
         "repeats": args.repeats,
         "rows": rows,
+        "indicative": SHARED_PROCESS if args.shared_process else None,
     }
     payload["analysis"] = analyse(rows)
     stem = "model_parallel_quick" if args.quick else "model_parallel"

@@ -55,7 +55,13 @@ import platform
 import sys
 
 from _report_svm import markdown, plot
-from _runs import combine_runs, machine, run_worker
+from _runs import (
+    SHARED_PROCESS,
+    combine_runs,
+    machine,
+    run_worker,
+    share_processes,
+)
 
 HERE = pathlib.Path(__file__).resolve().parent
 CONFIGS = ["A", "B", "B32", "BU", "B32U", "BH", "BH32", "BN", "BN32", "BS", "BR"]
@@ -132,6 +138,12 @@ def _parser():
         default=1,
         help="runs at once (>1 only for smoke tests: runs then share the cores)",
     )
+    p.add_argument(
+        "--shared-process",
+        action="store_true",
+        help="smoke test: each job slot's runs one after another in one process "
+        "(D, on TensorFlow, in its own): the code and rows, no figures",
+    )
     return p
 
 
@@ -187,6 +199,7 @@ def run_config(config, model, devices, args) -> dict:
             timeout=args.timeout,
             platform_name=args.platform,
             ident=ident,
+            shared=config != "D",  # Keras on TensorFlow: KERAS_BACKEND at import.
         )
         if "error" not in row or row["error"] == "timeout":
             break
@@ -333,7 +346,7 @@ def _run_all(args, jobs) -> dict:
 
 def _indicative(args) -> "str | None":
     """Why this run's figures are not to be quoted, or None."""
-    why = []
+    why = [SHARED_PROCESS] if args.shared_process else []
     if args.repeats < QUOTABLE_REPEATS:
         why.append(f"{args.repeats} runs per configuration (< {QUOTABLE_REPEATS})")
     short = [
@@ -354,6 +367,8 @@ def main(argv=None) -> dict:
     _settings(args)
     models, configs = args.models, args.config_list
     indicative = _indicative(args)
+    if args.shared_process:
+        share_processes()
     if indicative:
         print(f"{indicative}: indicative only, not figures to quote.")
     scaling_model = "cnn" if "cnn" in models else models[0]

@@ -1,5 +1,6 @@
 """Test set-up: 8 virtual CPU devices and the JAX backend, before jax loads."""
 
+import json
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -138,6 +139,9 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _CPU_USED:
         return
+    if os.environ.get("KD_CPU_REPORT"):  # Every test's, as JSON: {nodeid: s}.
+        with open(os.environ["KD_CPU_REPORT"], "w") as f:
+            json.dump(_CPU_USED, f, indent=0, sort_keys=True)
     total = sum(_CPU_USED.values())
     terminalreporter.write_sep(
         "=", f"most CPU time: 25 of {len(_CPU_USED)} tests, {total:.0f} s in all"

@@ -86,13 +86,19 @@ def test_the_gpu_preset_measures_figures_to_quote(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.benchmarks
 def test_benchmark_quick_mode_writes_its_tables(tmp_path):
-    """Smoke test of every configuration (2 steps, 1 run each): the schema."""
+    """Smoke test of every configuration (2 steps, 1 run each): the schema.
+    Each of the 2 job slots runs its configurations in one process (D, Keras
+    on TensorFlow, in its own), whose rows equal fresh processes' (the
+    losses below; tests/test_examples.py's shared-process test)."""
     args = ["--quick", "--steps", "2", "--epochs", "1", "--repeats", "1"]
     args += ["--models", "tiny", "--scaling", "1,8", "--jobs", "2"]
+    args += ["--shared-process"]
     out = run(["benchmarks/single_vs_mirrored.py", *args, "--out", str(tmp_path)])
-    assert "1 runs per configuration (< 3): indicative only, not figures" in out
+    why = "configurations sharing a process (--shared-process); 1 runs per "
+    why += "configuration (< 3)"
+    assert f"{why}: indicative only, not figures" in out
     payload = json.loads((tmp_path / "single_vs_mirrored.json").read_text())
-    assert payload["indicative"] == "1 runs per configuration (< 3)"
+    assert payload["indicative"] == why
     rows = {row["config"]: row for row in payload["rows"]}
     # The limits of 32 steps a dispatch need steps in multiples of 32: left
     # out of a 2-step run.
@@ -287,6 +293,63 @@ def test_benchmark_names_what_a_crashed_run_said(tmp_path, monkeypatch):
     worker.write_text("raise SystemExit('no RESULT line')\n")
     row = run_worker(worker, [], timeout=60, platform_name="cpu", ident={})
     assert row == {"error": "no RESULT line"}
+
+
+def test_shared_process_runs_give_a_fresh_process_rows_and_errors(
+    tmp_path, monkeypatch
+):
+    """`--shared-process` (the smoke runs'): a job slot's runs in one process,
+    each a fresh `__main__` with its own argv, its RESULT and its errors as a
+    fresh process's; a run past its timeout or one that kills its process
+    is an error row, and the next run gets a new process."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "benchmarks"))  # As beside it.
+    import _runs
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import os, sys, time\n"
+        "from _runs import print_result\n"
+        "SEEN = []\n"
+        "SEEN.append(sys.argv[1])\n"
+        "if sys.argv[1] == 'exit':\n"
+        "    sys.exit('no RESULT: a reason')\n"
+        "if sys.argv[1] == 'raise':\n"
+        "    raise ValueError('a crash')\n"
+        "if sys.argv[1] == 'sleep':\n"
+        "    time.sleep(30)\n"
+        "if sys.argv[1] == 'die':\n"
+        "    os._exit(3)\n"
+        "print('noise')\n"
+        "print_result({'pid': os.getpid(), 'seen': SEEN, 'ms_per_step': [2.0, 4.0]})\n"
+    )
+
+    def row(arg, timeout=60):
+        return _runs.run_worker(
+            worker, [arg], timeout=timeout, platform_name="cpu", ident={"a": arg}
+        )
+
+    fresh = [row("one"), row("two")]
+    assert fresh[0]["pid"] != fresh[1]["pid"]
+    try:
+        _runs.share_processes()
+        shared = [row("one"), row("two")]
+        assert shared[0]["pid"] == shared[1]["pid"]  # One process...
+        for got, want in zip(shared, fresh, strict=True):  # ...fresh modules.
+            assert {**got, "pid": 0} == {**want, "pid": 0}
+        assert got["seen"] == ["two"] and got["ms_median"] == 3.0
+        assert row("exit") == {"a": "exit", "error": "no RESULT: a reason"}
+        assert row("raise") == {"a": "raise", "error": row("raise")["error"]}
+        assert "ValueError: a crash" in row("raise")["error"]
+        assert row("one")["pid"] == shared[0]["pid"]  # It lives on.
+        assert row("sleep", timeout=2) == {"a": "sleep", "error": "timeout"}
+        assert row("die") == {"a": "die", "error": "host died"}
+        again = row("one")
+        assert again["seen"] == ["one"] and again["pid"] != shared[0]["pid"]
+    finally:
+        _runs.share_processes(False)
+        _runs._close_hosts()
+    assert row("two")["pid"] != again["pid"]  # Off: fresh processes again.
 
 
 @pytest.mark.benchmarks

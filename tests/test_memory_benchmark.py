@@ -1,7 +1,8 @@
 """benchmarks/memory.py runs every configuration and writes what it promises.
 
 The quick mode on a tiny GPT-2 (hidden 16, one layer), 2 steps per
-configuration, two configurations at a time: the JSON's numbers, not speed.
+configuration, two configurations at a time, each job slot's runs in
+one process (`--shared-process`): the JSON's numbers, not speed.
 """
 
 import json
@@ -10,6 +11,7 @@ import pytest
 
 from tests._docs import run
 
+SHARED_PROCESS = "configurations sharing a process (--shared-process)"
 CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
 
 
@@ -17,8 +19,11 @@ CONFIGS = ["one_device", "mirrored", "zero1", "fsdp", "ps", "central_storage"]
 @pytest.mark.benchmarks
 def test_memory_benchmark_quick_mode(tmp_path):
     args = ["--quick", "--model", "tiny", "--steps", "2", "--repeats", "1"]
-    out = run(["benchmarks/memory.py", *args, "--jobs", "2", "--out", str(tmp_path)])
+    args += ["--jobs", "2", "--shared-process"]  # 2 processes for the 6 runs.
+    out = run(["benchmarks/memory.py", *args, "--out", str(tmp_path)])
     payload = json.loads((tmp_path / "memory.json").read_text())
+    assert payload["indicative"] == SHARED_PROCESS
+    assert f"Indicative only: {SHARED_PROCESS}." in (tmp_path / "memory.md").read_text()
     rows = payload["rows"]
     assert list(rows) == CONFIGS
     for row in rows.values():
@@ -49,9 +54,11 @@ def test_memory_benchmark_quick_mode(tmp_path):
 def test_model_parallel_benchmark_quick_mode(tmp_path):
     configs = "one_device,mirrored_8x1,auto_2x4,hub_2x4"
     args = ["--quick", "--model", "tiny", "--configs", configs]
-    args += ["--steps", "1", "--repeats", "1"]
+    args += ["--steps", "1", "--repeats", "1", "--shared-process"]
     out = run(["benchmarks/model_parallel.py", *args, "--out", str(tmp_path)])
+    assert f"{SHARED_PROCESS}: indicative only, not figures to quote." in out
     payload = json.loads((tmp_path / "model_parallel_quick.json").read_text())
+    assert payload["indicative"] == SHARED_PROCESS
     rows = payload["rows"]
     assert list(rows) == configs.split(",")
     for row in rows.values():
