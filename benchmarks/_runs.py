@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 
 PLATFORM_ENV = "KD_BENCH_PLATFORM"
@@ -114,29 +115,37 @@ def _in_host(script: str, args: list, env: dict, timeout: float):
     """`script args` in this thread's host process (started at its first run)."""
     host = getattr(_hosts, "process", None)
     if host is None or host.poll() is not None:
+        # Its C++ logs (XLA's, TensorFlow's): what a crash said, if it dies.
+        log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (the host's lifetime)
         host = subprocess.Popen(
             [sys.executable, str(_HOST)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # XLA's and TensorFlow's C++ logs.
+            stderr=log,
             text=True,
             env=env,
         )
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_read, args=(host, lines), daemon=True).start()
-        _hosts.process, _hosts.lines = host, lines
+        _hosts.process, _hosts.lines, _hosts.log = host, lines, log
         _every_host.append(host)
-    host.stdin.write(json.dumps({"script": script, "args": args}) + "\n")
-    host.stdin.flush()
+    try:
+        host.stdin.write(json.dumps({"script": script, "args": args}) + "\n")
+        host.stdin.flush()
+    except BrokenPipeError:  # It died since: its reader says so below.
+        pass
     while True:
         try:
             line = _hosts.lines.get(timeout=timeout)
         except queue.Empty:
             host.kill()
+            host.wait()  # Gone before the next run asks for a host.
             raise subprocess.TimeoutExpired(script, timeout) from None
         if line is None:  # It died: a crash no Python handler saw.
             code = host.wait()
-            return subprocess.CompletedProcess(script, code or 1, "", "host died")
+            _hosts.log.seek(0)
+            said = _hosts.log.read()
+            return subprocess.CompletedProcess(script, code or 1, "", said)
         if line.startswith("HOST "):
             done = json.loads(line[5:])
             return subprocess.CompletedProcess(

@@ -319,6 +319,7 @@ def test_shared_process_runs_give_a_fresh_process_rows_and_errors(
         "if sys.argv[1] == 'sleep':\n"
         "    time.sleep(30)\n"
         "if sys.argv[1] == 'die':\n"
+        "    os.write(2, b'F1205 17:00:00.000000 1 a.cc:1] XLA aborts\\n')\n"
         "    os._exit(3)\n"
         "print('noise')\n"
         "print_result({'pid': os.getpid(), 'seen': SEEN, 'ms_per_step': [2.0, 4.0]})\n"
@@ -343,7 +344,9 @@ def test_shared_process_runs_give_a_fresh_process_rows_and_errors(
         assert "ValueError: a crash" in row("raise")["error"]
         assert row("one")["pid"] == shared[0]["pid"]  # It lives on.
         assert row("sleep", timeout=2) == {"a": "sleep", "error": "timeout"}
-        assert row("die") == {"a": "die", "error": "host died"}
+        # Its fatal line, as a fresh process's (its C++ log).
+        fatal = "F1205 17:00:00.000000 1 a.cc:1] XLA aborts"
+        assert row("die") == {"a": "die", "error": fatal}
         again = row("one")
         assert again["seen"] == ["one"] and again["pid"] != shared[0]["pid"]
     finally:
