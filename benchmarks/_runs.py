@@ -106,6 +106,12 @@ def run_worker(
     return row
 
 
+def indicative_note(payload: dict) -> str:
+    """The tables' words for a run whose figures are not to be quoted."""
+    why = payload.get("indicative")
+    return f" Indicative only: {why}." if why else ""
+
+
 def share_processes(on: bool = True) -> None:
     """From now on, one-process runs share their job slot's process (or not)."""
     _sharing["on"] = on

@@ -31,6 +31,7 @@ import platform
 from _runs import (
     SHARED_PROCESS,
     fmt,
+    indicative_note,
     loss_target,
     machine,
     pyplot,
@@ -102,11 +103,6 @@ def analyse(rows: dict) -> dict:
     return {"max_loss_rel_diff": worst, "targets": targets}
 
 
-def _indicative_note(payload: dict) -> str:
-    why = payload.get("indicative")
-    return f" Indicative only: {why}." if why else ""
-
-
 def markdown(payload: dict) -> str:
     spec = payload["spec"]
     out = [
@@ -115,7 +111,7 @@ def markdown(payload: dict) -> str:
         f"layers, seq {spec['seq']}, batch {spec['batch']}, "
         f"{payload['params']:,} parameters, Adam; {payload['steps']} steps x "
         f"{payload['repeats']} timed epochs after one warm-up epoch."
-        + _indicative_note(payload),
+        + indicative_note(payload),
         "",
         "| config | state MB per device | of total MB | vs Mirrored "
         "| host MB per device | ms/step (median) | min-max | final loss |",

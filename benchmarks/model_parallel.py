@@ -35,6 +35,7 @@ import platform
 from _runs import (
     SHARED_PROCESS,
     fmt,
+    indicative_note,
     loss_target,
     machine,
     pyplot,
@@ -123,11 +124,6 @@ def analyse(rows: dict) -> dict:
     return {"max_loss_rel_diff": worst, "targets": targets}
 
 
-def _indicative_note(payload: dict) -> str:
-    why = payload.get("indicative")
-    return f" Indicative only: {why}." if why else ""
-
-
 def markdown(payload: dict) -> str:
     spec = payload["spec"]
     out = [
@@ -137,7 +133,7 @@ def markdown(payload: dict) -> str:
         f"key-value heads, seq {spec['seq']}, global batch {spec['batch']}, "
         f"{payload['params']:,} parameters, Adam; {payload['steps']} steps x "
         f"{payload['repeats']} timed epochs after one warm-up epoch."
-        + _indicative_note(payload),
+        + indicative_note(payload),
         "",
         "| config | mesh (batch, model) | state MB per device | largest weight, "
         "share per device | collectives MB per device per step | GFLOP per step "
