@@ -34,23 +34,9 @@ os.environ.setdefault(
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import gc  # noqa: E402
-
 import jax  # noqa: E402
 import keras  # noqa: E402
 import pytest  # noqa: E402
-
-# Python's cyclic collector less often in a test process (its youngest
-# generation every 100,000 net allocations instead of 700): tracing and
-# lowering programs allocate millions of short-lived objects, and at the
-# default thresholds the collector used 6-8 % of a process's CPU time
-# (perf; tests/test_fidelity.py and tests/test_keras_parity.py: 54.3
-# CPU-seconds with the default, 51.8 with these, compilation cache warm; the
-# largest memory the same, 2.28 GB). The
-# processes tests start (a cluster's, a script's, Keras's own test files')
-# keep Python's defaults, as users' programs do.
-GC_THRESHOLDS = (100_000, 20, 10)
-gc.set_threshold(*GC_THRESHOLDS)
 
 if jax.device_count() < 8:
     raise RuntimeError(
