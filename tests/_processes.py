@@ -7,6 +7,8 @@ import pathlib
 import subprocess
 import sys
 
+from tests._xla import xla_flags
+
 CLUSTER = pathlib.Path(__file__).parent / "cluster"
 
 
@@ -21,7 +23,7 @@ def tf_config_env(workers: list[str], index: int) -> dict[str, str]:
     }
     environ.update(
         TF_CPP_MIN_LOG_LEVEL="3",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        XLA_FLAGS=xla_flags(devices=1),
         TF_CONFIG=json.dumps(
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
         ),
@@ -67,10 +69,21 @@ def by_hand(
     return [(p.returncode, *out) for p, out in zip(processes, outputs, strict=True)]
 
 
-def launch(script, *args, n=2, devices=4, timeout=400, env=None, flags=()):
+def process_env(env=None, **extra) -> dict[str, str]:
+    """The environment of a process the tests start, as a user's shell has
+    it: this one's less the tests' own settings (`KD_*`, `XLA_*`), with the
+    tests' XLA flags (`tests/_xla.py`; no device count: the launcher's
+    `--devices-per-process` or the script sets it), TensorFlow quiet, then
+    `env` and `extra`."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ.update(TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS=xla_flags())
     environ.update(env or {})
+    environ.update(extra)
+    return environ
+
+
+def launch(script, *args, n=2, devices=4, timeout=400, env=None, flags=()):
+    environ = process_env(env)
     command = [sys.executable, "-m", "keras_dist_run", "-n", str(n)]
     command += ["--devices-per-process", str(devices), *flags]
     command += [str(script), *map(str, args)]

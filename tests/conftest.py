@@ -3,9 +3,14 @@
 import json
 import os
 
+from tests._xla import CODEGEN  # (imports no jax)
+
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+# XLA:CPU's loop emitters where JAX has them (tests/_xla.py says why).
+if CODEGEN and "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += f" {CODEGEN}"
 os.environ["KERAS_BACKEND"] = "jax"
 # jax starts below, before keras_dist is imported: give XLA:CPU's client the
 # threads keras_dist's import would (3 a device; keras_dist/_backend.py).

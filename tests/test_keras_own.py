@@ -26,6 +26,7 @@ from keras_dist.data._partial_batch import PaddedBatch
 from keras_dist.strategies.state._host_memory import HOST
 from tests._helpers import assert_weights_close
 from tests._processes import launch
+from tests._xla import xla_flags
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _KERAS_SRC = os.path.join(os.path.dirname(keras.__file__), "src")
@@ -44,6 +45,7 @@ KERAS_TRAINER_TESTS = (
 def _keras_pytest(*args, env=None, timeout=300):
     """Keras's own test files under the plugin, in one process."""
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    environ["XLA_FLAGS"] = xla_flags()  # The plugin adds 8 devices.
     environ.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "pytest", *_PLUGIN_ARGS, *args],
@@ -194,7 +196,7 @@ def test_keras_own_files_pass_across_processes(layout, tmp_path):
     assert not stale, f"These pass across processes now: drop them from NAMED: {stale}"
     unexplained = sorted(failed - named)
     if unexplained:  # Do they fail on plain Keras too (one process)?
-        devices_in_one = f"--xla_force_host_platform_device_count={processes * devices}"
+        devices_in_one = xla_flags(processes * devices)
         plain = _keras_pytest(
             "--kd-strategy=none",
             f"--kd-results={tmp_path / 'plain.json'}",

@@ -12,7 +12,9 @@ import resource
 import signal
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ["KERAS_BACKEND"] = "jax"
 
 sys.modules["tensorflow"] = None  # type: ignore[assignment]  # No tf.data: kill_script.py

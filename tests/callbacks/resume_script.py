@@ -23,7 +23,9 @@ import signal
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ["KERAS_BACKEND"] = "jax"
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 

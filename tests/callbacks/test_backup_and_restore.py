@@ -18,6 +18,7 @@ import pytest
 
 import keras_dist as kd
 from tests import _helpers, _storage
+from tests._xla import xla_flags
 
 SCRIPT = pathlib.Path(__file__).with_name("resume_script.py")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 def _run(out_dir, **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
-    environ.pop("XLA_FLAGS", None)
+    environ["XLA_FLAGS"] = xla_flags()  # The script adds its devices.
     environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     environ.update({k: str(v) for k, v in env.items()})
     return subprocess.run(
@@ -209,7 +210,9 @@ def test_a_one_shot_generator_is_refused_before_training(tmp_path):
 
 _FAILING_FIT = """
 import os, signal, sys, tempfile
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ["KERAS_BACKEND"] = "jax"
 import keras, numpy as np
 import keras_dist as kd
@@ -238,6 +241,7 @@ print("STILL ALIVE", flush=True)
 @pytest.mark.parametrize("plain", ["plain", "mirrored"])
 def test_sigterm_after_a_failed_fit_terminates_the_process(plain):
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    environ["XLA_FLAGS"] = xla_flags()  # The script adds its devices.
     result = subprocess.run(
         [sys.executable, "-c", _FAILING_FIT, plain],
         env=environ,
@@ -269,7 +273,7 @@ def test_random_kills_during_async_saves_then_the_run_ends_bit_identical(
     assert reference_run.returncode == 0, reference_run.stderr[-3000:]
     backup, ckpts, out = tmp_path / "backup", tmp_path / "ckpts", tmp_path / "out"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
-    environ.pop("XLA_FLAGS", None)
+    environ["XLA_FLAGS"] = xla_flags()  # The script adds its devices.
     environ.update(
         TF_CPP_MIN_LOG_LEVEL="3", KD_BACKUP=str(backup), KD_ASYNC="1",
         KD_MC=str(ckpts), KD_EPOCHS="12", KD_STEP_SECONDS="0.05",
@@ -313,7 +317,7 @@ def test_random_kills_during_async_saves_then_the_run_ends_bit_identical(
 def test_a_background_write_failure_raises_on_the_training_thread(tmp_path):
     script = SCRIPT.with_name("async_failure_script.py")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KD_")}
-    environ.pop("XLA_FLAGS", None)
+    environ["XLA_FLAGS"] = xla_flags()  # The script adds its devices.
     environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     result = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "backup")],

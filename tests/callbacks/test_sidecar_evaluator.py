@@ -20,6 +20,7 @@ from tests._helpers import (
     make_model,
     mirrored,
 )
+from tests._processes import process_env
 from tests.callbacks._sidecar import XV, YV, X, Y, evaluator_model
 
 
@@ -196,8 +197,7 @@ def test_a_tf_config_evaluator_runs_locally_instead_of_joining():
 
 def _launch_with_evaluator(workdir, env=None):
     script = pathlib.Path(__file__).with_name("sidecar_script.py")
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="3", **(env or {}))
+    environ = process_env(env)
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2", "--evaluator"]
     command += ["--devices-per-process", "2", str(script), str(workdir)]
     return subprocess.run(

@@ -1,7 +1,6 @@
 """Lost workers, restarts and mismatched processes, with real 2-process clusters."""
 
 import json
-import os
 import re
 import signal
 import socket
@@ -15,7 +14,7 @@ import pytest
 import keras_dist as kd
 from tests._helpers import assert_weights_close
 from tests._processes import CLUSTER as HERE
-from tests._processes import by_hand, launch
+from tests._processes import by_hand, launch, process_env
 from tests.cluster import _workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -104,8 +103,7 @@ def _preempt(script, workdir, env, *, after: str, timeout=300):
     """Runs the launcher and sends it SIGTERM once a line `after` is printed."""
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "4", str(script), str(workdir)]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(env, TF_CPP_MIN_LOG_LEVEL="3")
+    environ = process_env(env)
     process = subprocess.Popen(
         command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

@@ -27,7 +27,7 @@ import pytest
 import keras_dist as kd
 from tests._helpers import KILL_TRIALS, committed_backup_step, make_model
 from tests._processes import CLUSTER as HERE
-from tests._processes import launch
+from tests._processes import launch, process_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes, pytest.mark.kill_trials]
 
@@ -37,8 +37,7 @@ SCRIPT = HERE / "kill_script.py"
 def _start(workdir):
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "4", str(SCRIPT), str(workdir)]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.05")
+    environ = process_env(KD_STEP_SECONDS="0.05")
     return subprocess.Popen(
         command, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,

@@ -13,16 +13,14 @@ import pytest
 
 import keras_dist as kd
 from keras_dist.launch import free_port
-from tests._processes import by_hand
+from tests._processes import by_hand, process_env
 
 SCRIPT = pathlib.Path(__file__).with_name("psum_script.py")
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def _launch(*args, env=None, timeout=120):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
-    environ.update(env or {})
+    environ = process_env(env)
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "keras_dist_run", *args],
@@ -69,8 +67,7 @@ JOIN = (
 def test_the_launcher_runs_any_command(command):
     # `python` is the one running the tests (its folder first on PATH).
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="3", PATH=path)
+    environ = process_env(PATH=path)
     result = subprocess.run(
         [sys.executable, "-m", "keras_dist_run", "-n", "2", "--verbose", *command],
         env=environ,

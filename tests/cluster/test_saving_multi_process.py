@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 
 from tests._helpers import h5_datasets
+from tests._processes import process_env
 
 HERE = pathlib.Path(__file__).parent
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
 
 
 def launch(workdir, mode, strategy, *, devices, timeout=300):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    environ = process_env()
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", str(devices)]
     command += [str(HERE / "saving_script.py"), str(workdir), mode, strategy]

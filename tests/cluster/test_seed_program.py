@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from tests._helpers import h5_datasets
+from tests._processes import process_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -50,8 +51,7 @@ def program(folder: pathlib.Path, *, backup: bool = False) -> pathlib.Path:
 
 
 def run(script, workdir, *, devices: int, env=None, timeout=400):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(env or {}, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=str(ROOT))
+    environ = process_env(env, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", str(devices), str(script)]
     command += ["--mock", "--epochs", "5", "--workdir", str(workdir)]

@@ -27,6 +27,7 @@ import keras_dist as kd
 from tests import _slurm
 from tests._helpers import assert_weights_close
 from tests._processes import CLUSTER, launch
+from tests._xla import xla_flags
 from tests.cluster import _workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -61,7 +62,7 @@ def _env(devices: int, **extra: str) -> dict:
         if not k.startswith(("KD_", "XLA_", "KERAS_DIST_", "TF_CONFIG", "SLURM_"))
     }
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         PATH=f"{os.path.dirname(sys.executable)}:{env.get('PATH', '')}",
     )
     env.update(extra)

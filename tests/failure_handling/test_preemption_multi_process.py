@@ -13,7 +13,7 @@ import pytest
 from tests import _storage
 from tests._helpers import assert_weights_close, mirrored
 from tests._processes import CLUSTER as HERE
-from tests._processes import launch
+from tests._processes import launch, process_env
 from tests.failure_handling import _loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.processes]
@@ -22,8 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.processes]
 def _launch_and_preempt_rank_1(workdir, *, after: str, timeout=120, env=None):
     command = [sys.executable, "-m", "keras_dist_run", "-n", "2"]
     command += ["--devices-per-process", "2", str(HERE / "preemption_script.py")]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("KD_", "XLA_"))}
-    environ.update(TF_CPP_MIN_LOG_LEVEL="3", KD_STEP_SECONDS="0.2", **(env or {}))
+    environ = process_env({"KD_STEP_SECONDS": "0.2", **(env or {})})
     process = subprocess.Popen(
         [*command, str(workdir)],
         env=environ,
