@@ -8,8 +8,8 @@ installed XLA still has them: JAX 0.10 (CI's stage 1); JAX 0.12 removed the
 flag, and XLA aborts on a flag it does not know, so stage 2 compiles with the
 defaults. On 2 cores compiling is most of the suite's CPU time, and the MLIR
 emitters most of compiling: `tests/test_fidelity.py` from a cold compilation
-cache used 69 CPU-seconds with the flag against 101 without (2 runs each,
-interleaved, 2026-12-06). A test compares two programs XLA compiled with the
+cache used 67-69 CPU-seconds with the flag against 98-101 without (two
+interleaved pairs, 2026-12-06). A test compares two programs XLA compiled with the
 same flags (distributed and one device, keras_dist and plain Keras, a run and
 its restart), so each comparison stands; the accelerators users train on
 compile with other back ends altogether. `KD_TEST_XLA_DEFAULTS=1` runs the
