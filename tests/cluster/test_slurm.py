@@ -148,7 +148,10 @@ def test_srun_trains_the_example_as_the_launcher_does_two_jobs_at_once(slurm, tm
         listed = slurm.run(["squeue", "-h", "-t", "all", "-n", f"kd-2x{devices}"])
         job_id = int(listed.stdout.split()[0])
         ports[job_id] = int(joined[0][1])
-        fields = slurm.job(str(job_id))
+        # srun returns while the job may still be COMPLETING, when SLURM's
+        # NodeList holds only the nodes not yet released: wait for its end.
+        fields = slurm.wait(str(job_id), timeout=60)
+        assert fields["JobState"] == "COMPLETED", fields
         spans.append((fields["StartTime"], fields["EndTime"], fields["NodeList"]))
     (start_a, end_a, nodes_a), (start_b, end_b, nodes_b) = spans
     assert nodes_a == nodes_b == "node[0-1]"
