@@ -38,6 +38,16 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Python's cyclic collector, less often, here and in the processes the tests
+# start (tests/_site/sitecustomize.py says why and how much).
+if not os.environ.get("KD_TEST_GC_DEFAULTS"):
+    import tests._site.sitecustomize  # noqa: F401 (sets the thresholds)
+
+    _SITE = os.path.join(_ROOT, "tests", "_site")
+    if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_SITE, os.environ.get("PYTHONPATH")) if p
+        )
 
 import jax  # noqa: E402
 import keras  # noqa: E402
