@@ -2,9 +2,11 @@
 
 `tests/conftest.py` applies this in pytest's processes and puts this folder
 first on the PYTHONPATH of the processes the tests start (clusters,
-launchers, scripts, kernels; Python imports `sitecustomize` at start-up),
-unless `KD_TEST_GC_DEFAULTS=1`. The docs', notebooks' and examples' runs set
-their own PYTHONPATH, so they keep Python's defaults, as a user runs them.
+launchers, scripts, the notebooks' kernels; Python imports `sitecustomize`
+at start-up), unless `KD_TEST_GC_DEFAULTS=1`. The docs' and examples' runs
+set their own PYTHONPATH (most of them `tests/as_installed`, whose
+`sitecustomize` hides what their install would not have), so they keep
+Python's defaults, as a user runs them.
 
 A collection of the youngest generation every 10,000 container allocations
 rather than 700 (the older two as Python's defaults, every 10 of the one
