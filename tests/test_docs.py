@@ -122,6 +122,41 @@ def test_readme_and_the_benchmarks_headline_quote_only_repeated_results():
     assert "indicative" in headline
 
 
+# A measured figure: milliseconds, bytes in MB or GB, a share in %, or
+# seconds with a decimal or as a range (a whole number of seconds is a
+# setting in these pages: a timeout, an interval).
+_MEASURED = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:[\u2013-]\d[\d,]*(?:\.\d+)?)?"
+    r" ?(?:ms|MB|GB|%)(?!\w)"
+    r"|(?<![\w.])\d+(?:\.\d+|[\u2013-]\d+(?:\.\d+)?) ?s\b"
+)
+# Figures that are no measurement, each with why.
+_NOT_MEASURED = {
+    ("mixed-precision.md", "0.4%"): "bfloat16's unit in the last place, 2**-8",
+}
+
+
+@pytest.mark.source_checks
+def test_the_guides_date_every_measured_figure():
+    """A figure measured on some machine (a time, a size, a share) is dated
+    in its paragraph, or is not in the guides: a newcomer must tell today's
+    numbers from an old run's (issue 74 found the checkpoints guide quoting
+    undated H200 and CPU figures)."""
+    undated = []
+    pages = [*(ROOT / "docs").rglob("*.md")]
+    for page in pages:
+        if page.name == "benchmarks.md":  # Dated table by table (its own test).
+            continue
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for paragraph in re.split(r"\n\s*\n", text):
+            if re.search(r"20\d\d-\d\d-\d\d", paragraph):
+                continue
+            for figure in _MEASURED.findall(paragraph):
+                if (page.name, figure) not in _NOT_MEASURED:
+                    undated.append(f"{page.relative_to(ROOT)}: {figure}")
+    assert undated == []
+
+
 @pytest.mark.examples
 def test_readme_quickstart_runs():
     blocks = python_blocks(ROOT / "README.md")
