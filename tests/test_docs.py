@@ -143,9 +143,8 @@ def test_the_guides_date_every_measured_figure():
     numbers from an old run's (issue 74 found the checkpoints guide quoting
     undated H200 and CPU figures)."""
     undated = []
-    pages = [*(ROOT / "docs").rglob("*.md")]
-    for page in pages:
-        if page.name == "benchmarks.md":  # Dated table by table (its own test).
+    for page in (ROOT / "docs").rglob("*.md"):
+        if page.name == "benchmarks.md":  # Each table with its date and command.
             continue
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
         for paragraph in re.split(r"\n\s*\n", text):
